@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The project's one entry point for a fresh machine.
+#   bash dev.sh demo [opsd demo options]   run the main job on the embedded default
+#   bash dev.sh test                       check notebooks == package, run nbdev_test and pytest
+#   bash dev.sh opsd ARGS...               any opsd command inside the project's environment
+# Both create (once) and reuse a local virtual environment in .venv, installing torch's CPU
+# wheel first where there is no GPU, then the pinned set in requirements-cpu.txt.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${OPSD_VENV:-.venv}"
+PY="$VENV/bin/python"
+
+quiet_pip() { "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
+
+setup() {
+  local want; want=$(cat requirements-cpu.txt settings.ini setup.py | sha256sum | cut -c1-16)
+  if [ -f "$VENV/.opsd-installed" ] && [ "$(cat "$VENV/.opsd-installed")" = "$want" ]; then return 0; fi
+  echo "[dev.sh] setting up $VENV (once; about a minute)"
+  [ -x "$PY" ] || python3 -m venv "$VENV"
+  quiet_pip install -q --upgrade pip 'setuptools>=64' wheel
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "[dev.sh] GPU found: torch from the package index"
+  else
+    quiet_pip install -q "$(grep -E '^torch==' requirements-cpu.txt)"   # the CPU wheel, before anything can pull a CUDA build
+  fi
+  quiet_pip install -q -r requirements-cpu.txt
+  quiet_pip install -q --no-deps --no-build-isolation -e .
+  echo "$want" > "$VENV/.opsd-installed"
+}
+
+chromium() {  # kaleido (PNG export) needs a Chrome; Debian's chromium works offline
+  command -v chromium >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[dev.sh] installing Debian's chromium for PNG export"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) >/dev/null 2>&1 \
+      || echo "[dev.sh] could not install chromium: reports will have HTML but no PNGs"
+  else
+    echo "[dev.sh] no chromium and no root: reports will have HTML but no PNGs"
+  fi
+}
+
+snapshot() { { git diff -- nbs opsd; git ls-files --others --exclude-standard -- nbs opsd; } | sha256sum; }
+
+run_tests() {
+  export PATH="$PWD/$VENV/bin:$PATH"
+  echo "[dev.sh] 1/3 notebooks and package in sync (nbdev_clean, nbdev_export change nothing)"
+  local before; before=$(snapshot)
+  nbdev_clean >/dev/null
+  nbdev_export
+  if [ "$(snapshot)" != "$before" ]; then
+    git status --short -- nbs opsd
+    echo "[dev.sh] FAIL: nbdev_clean / nbdev_export changed the files above: run them and commit"
+    return 1
+  fi
+  echo "[dev.sh] 2/3 nbdev_test (cells flagged slow/gpu/vllm are skipped)"
+  nbdev_test --n_workers 2 --timing
+  echo "[dev.sh] 3/3 pytest"
+  python -m pytest -q tests -p no:cacheprovider
+}
+
+cmd="${1:-help}"; shift || true
+case "$cmd" in
+  demo) setup; chromium; exec "$VENV/bin/opsd" demo "$@" ;;
+  test) setup; chromium; run_tests ;;
+  opsd) setup; exec "$VENV/bin/opsd" "$@" ;;
+  setup) setup ;;
+  *) sed -n '2,8p' "$0"; exit 2 ;;
+esac
