@@ -1,0 +1,34 @@
+"Shared fixtures: a tiny real Qwen3 checkpoint (random init, the toy tokenizer) and toy problems."
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    "A small random-init Qwen3ForCausalLM saved with save_pretrained, with the toy tokenizer."
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from opsd.toy import toy_tokenizer
+    tok = toy_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=1024,
+                                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-qwen3"
+    model.save_pretrained(path); tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def toy_problems():
+    from opsd.toy import make_problems
+    return make_problems(64, seed=0, split="train")
+
+
+def venv_bin(name: str) -> str:
+    import sys
+    return str(Path(sys.executable).parent / name)

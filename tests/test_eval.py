@@ -1,0 +1,346 @@
+"""Tests of opsd.eval: answer extraction, grading, avg@k / pass@k / majority, seed summaries,
+evaluate with a real tiny model, and checkpoint sweeps."""
+import json
+import math
+import threading
+from itertools import combinations
+
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opsd.eval import (append_eval_rows, avg_at_k, extract_boxed, grade, list_checkpoints, majority_vote,
+                       normalize_answer, pass_at_k, seed_summary, seed_table, summarize_eval)
+
+
+# ---------------------------------------------------------------- extraction
+@pytest.mark.parametrize("text,expected", [
+    (r"The answer is \boxed{42}.", "42"),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+    (r"\boxed{\frac{\sqrt{3}}{\left(2+\frac{1}{x}\right)}}", r"\frac{\sqrt{3}}{\left(2+\frac{1}{x}\right)}"),
+    (r"a \boxed{1} b \boxed{2} c \boxed{3}", "3"),
+    (r"\boxed{\{1,2\}}", r"\{1,2\}"),  # escaped braces do not count for nesting
+    (r"\fbox{x=3}", "x=3"),
+    (r"\boxed{1} then \fbox{2}", "2"),
+    (r"\boxed {  7 }", "7"),
+    (r"\boxed 5", "5"),
+    (r"$\boxed{10}$ and more text", "10"),
+    (r"\boxed{}", ""),
+    ("no box at all", None),
+    ("", None),
+    (None, None),
+    (r"\boxed{1} and \boxed{2", None),  # the last box is cut off: no answer
+    (r"\boxedx{3}", None),  # not the \boxed command
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(alphabet="0123456789+-x^ ", min_size=1, max_size=6), min_size=1, max_size=4))
+def test_extract_boxed_last_of_many(answers):
+    # property: for any answers without braces, the last box's stripped content comes back
+    text = " and ".join(r"\boxed{" + a + "}" for a in answers)
+    assert extract_boxed(text) == answers[-1].strip()
+
+
+# ---------------------------------------------------------------- grading
+@pytest.mark.parametrize("pred,gold", [
+    (r"\frac{1}{2}", "0.5"),
+    ("0.5", r"\frac{1}{2}"),
+    ("2", "2.0"),
+    ("2.0", "2"),
+    (r"\dfrac{3}{4}", r"\frac{3}{4}"),
+    ("x+1", "1+x"),
+    (r"\frac{\sqrt{2}}{2}", r"\sqrt{2}/2"),
+    ("1,000", "1000"),
+    (r"$12$", "12"),
+    (r"\text{(B)}", "(B)"),
+])
+def test_grade_math_equivalent(pred, gold):
+    assert grade(pred, gold, mode="math") is True
+
+
+@pytest.mark.parametrize("pred,gold", [("3", "4"), (r"\frac{1}{3}", "0.5"), ("x+2", "x+1"), ("", "1"), (None, "1")])
+def test_grade_math_different(pred, gold):
+    assert grade(pred, gold, mode="math") is False
+
+
+def test_grade_exact_mode():
+    assert grade("42", "42", mode="exact")
+    assert grade(" 42. ", 42, mode="exact")  # normalised
+    assert grade("2.0", "2", mode="exact")  # numbers are canonical
+    assert not grade(r"\frac{1}{2}", "0.5", mode="exact")  # no maths in exact mode
+    assert not grade("41", "42", mode="exact")
+    assert not grade(None, "42", mode="exact")
+    with pytest.raises(ValueError, match="mode"):
+        grade("1", "1", mode="sympy")
+
+
+def test_grade_unparseable_falls_back_to_strings():
+    weird = r"\weirdcommand{\foo}"
+    assert grade(weird, weird, mode="math")  # equal strings are correct even if math-verify cannot parse them
+    assert not grade(weird, r"\other{\bar}", mode="math")
+
+
+def test_grade_off_main_thread():
+    # math-verify's signal-based timeout would raise ValueError in a worker thread
+    out = {}
+    t = threading.Thread(target=lambda: out.update(a=grade(r"\frac{1}{2}", "0.5"), b=grade("3", "4")))
+    t.start(), t.join()
+    assert out == dict(a=True, b=False)
+
+
+def test_normalize_answer():
+    assert normalize_answer(r" $\left(1, 2\right)$ ") == "(1,2)"
+    assert normalize_answer("-0.0") == "0"
+    assert normalize_answer("007") == "7"
+    assert normalize_answer(r"90^\circ") == "90"
+    assert normalize_answer(None) is None
+
+
+# ---------------------------------------------------------------- avg@k, pass@k, majority
+def _brute_pass_at_k(n, c, k):
+    samples = [1] * c + [0] * (n - c)
+    subsets = list(combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_brute_force(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(_brute_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_large_n_is_finite():
+    # the product form avoids huge binomials: n=200 is fine and pass@1 = c/n
+    assert pass_at_k(200, 37, 1) == pytest.approx(37 / 200)
+    assert 0 < pass_at_k(200, 3, 50) < 1
+
+
+@pytest.mark.parametrize("n,c,k", [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)])
+def test_pass_at_k_bad_input(n, c, k):
+    with pytest.raises(ValueError):
+        pass_at_k(n, c, k)
+
+
+def test_avg_at_k():
+    assert avg_at_k([[1, 0, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0]]) == pytest.approx(0.5)
+    assert avg_at_k(np.array([[True, False], [True, True]])) == pytest.approx(0.75)
+    assert avg_at_k([[1], [0, 0, 0, 1]]) == pytest.approx((1 + 0.25) / 2)  # per-problem mean first
+    with pytest.raises(ValueError, match="no problems"):
+        avg_at_k([])
+
+
+def test_majority_vote():
+    assert majority_vote(["1", "2", "2"]) == "2"
+    assert majority_vote(["1", "2", "2", "1"]) == "1"  # tie: first seen
+    assert majority_vote(["2", "1", "1", "2"]) == "2"
+    assert majority_vote([None, "5", None]) == "5"  # None is not an answer
+    assert majority_vote(["0.5", "1/2", "0.50"]) == "0.5"  # normalised keys: "0.5" twice
+    assert majority_vote([None]) is None
+    assert majority_vote([]) is None
+
+
+def test_seed_summary_numbers():
+    s = seed_summary([1.0, 2.0, 3.0, 4.0])
+    assert s["mean"] == pytest.approx(2.5)
+    assert s["sd"] == pytest.approx(math.sqrt(5 / 3))  # sum of squares 5, ddof=1
+    assert s["se"] == pytest.approx(math.sqrt(5 / 3) / 2)
+    assert s["n"] == 4
+    # the 4-seed cosine result in the spec: sd 1.33 -> se 0.665
+    assert seed_summary([55.21 + d for d in (-1.33, 1.33, -1.33, 1.33)])["se"] == pytest.approx(1.33 * 2 / math.sqrt(3) / 2)
+    one = seed_summary([7.0])
+    assert one["mean"] == 7.0 and one["n"] == 1 and math.isnan(one["sd"]) and math.isnan(one["se"])
+    with pytest.raises(ValueError, match="no values"):
+        seed_summary([])
+    with pytest.raises(ValueError, match="value 2"):
+        seed_summary([1.0, 2.0, float("inf")])
+
+
+# ---------------------------------------------------------------- summaries
+def _rows():
+    # run r, two seeds, 3 problems x 4 samples; correctness chosen by hand
+    corr = {0: [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], 1: [[1, 0, 0, 0], [0, 0, 0, 1], [1, 1, 1, 0]]}
+    rows = []
+    for seed, mat in corr.items():
+        for p, samples in enumerate(mat):
+            for j, c in enumerate(samples):
+                rows.append(dict(run="r", step=10, seed=seed, split="test", problem_id=str(p), sample=j,
+                                 correct=bool(c), pred="ok" if c else f"bad{j % 2}", answer="ok"))
+    return pl.DataFrame(rows), corr
+
+
+def test_summarize_eval_against_hand_numbers():
+    frame, corr = _rows()
+    s = summarize_eval(frame, ks=[1, 2, 4]).sort("seed")
+    assert s["k"].to_list() == [4, 4] and s["n_problems"].to_list() == [3, 3]
+    for i, seed in enumerate([0, 1]):
+        mat = corr[seed]
+        assert s["avg_at_k"][i] == pytest.approx(avg_at_k(mat))
+        assert s["pass@1"][i] == pytest.approx(avg_at_k(mat))
+        for j in (2, 4):
+            expect = np.mean([_brute_pass_at_k(4, sum(r), j) for r in mat])
+            assert s[f"pass@{j}"][i] == pytest.approx(expect)
+        assert s["pass_at_k"][i] == pytest.approx(s["pass@4"][i])
+    # majority: seed 0: p0 tie ok/bad0 -> "ok" first seen -> correct; p1 bad; p2 ok -> 2/3
+    #           seed 1: p0 "ok","bad1","bad0","bad1" -> bad1 (2) wrong; p1 wrong; p2 ok -> 1/3
+    assert s["maj_at_k"].to_list() == pytest.approx([2 / 3, 1 / 3])
+    t = seed_table(s)
+    assert t["n"][0] == 2 and t["mean"][0] == pytest.approx(s["avg_at_k"].mean())
+
+
+def test_summarize_eval_bad_input():
+    frame, _ = _rows()
+    with pytest.raises(ValueError, match="correct"):
+        summarize_eval(frame.drop("correct"))
+    with pytest.raises(ValueError, match="nope"):
+        summarize_eval(frame, by=["nope"])
+    with pytest.raises(ValueError, match="pass@5"):
+        summarize_eval(frame, ks=[5])
+
+
+# ---------------------------------------------------------------- eval.jsonl and checkpoints
+def test_append_eval_rows_and_list_checkpoints(tmp_path):
+    frame, _ = _rows()
+    path = tmp_path / "run" / "eval.jsonl"
+    part = frame.drop("run", "step", "seed", "split")
+    append_eval_rows(path, part.head(3), run="r", step=0, seed=0, split="test")
+    append_eval_rows(path, part.tail(2), run="r", step=25, seed=0, split="test")
+    rows = [json.loads(l) for l in path.read_text().splitlines()]
+    assert len(rows) == 5 and rows[0]["step"] == 0 and rows[-1]["step"] == 25
+    assert set(rows[0]) >= {"run", "step", "seed", "split", "problem_id", "sample", "correct", "pred", "answer"}
+    # checkpoints: adapters directly in step-N or one level below; others ignored
+    ck = tmp_path / "run" / "checkpoints"
+    (ck / "step-50").mkdir(parents=True)
+    (ck / "step-50" / "adapter_config.json").write_text("{}")
+    (ck / "step-25" / "adapter").mkdir(parents=True)
+    (ck / "step-25" / "adapter" / "adapter_config.json").write_text("{}")
+    (ck / "step-75").mkdir()  # no adapter yet (being written)
+    (ck / "latest").mkdir()
+    assert list_checkpoints(tmp_path / "run") == [(25, ck / "step-25" / "adapter"), (50, ck / "step-50")]
+    assert list_checkpoints(tmp_path / "nothing") == []
+
+
+# ---------------------------------------------------------------- evaluate and sweeps with a real tiny model
+import copy
+
+import torch
+
+from opsd.eval import EVAL_COLUMNS, evaluate, sweep_checkpoints
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from opsd.data import qwen3_tokenizer
+
+    tok = qwen3_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+                      initializer_range=0.5)  # a wide init: varied (non-degenerate) completions
+    return Qwen3ForCausalLM(cfg).eval(), tok
+
+
+PROBLEMS = [dict(problem=f"What is {a} + {b}?", answer=str(a + b)) for a, b in [(1, 2), (3, 4), (10, 5)]]
+RAW = lambda text: text.strip() or None  # the whole completion is the answer (a random model never boxes)
+
+
+def _greedy(max_new_tokens=6):
+    from opsd.rollout import SamplingConfig
+
+    return SamplingConfig(temperature=0, max_new_tokens=max_new_tokens)
+
+
+def test_evaluate_rows_and_grading(tiny):
+    from opsd.data import student_prompt_ids
+    from opsd.rollout import HFRollout
+
+    model, tok = tiny
+    # the greedy completions, decoded, are by construction the right "answers" under extract_fn=RAW
+    ro = HFRollout(model, tok, progress=False).generate([student_prompt_ids(tok, p["problem"]) for p in PROBLEMS], _greedy())
+    texts = [tok.decode(c, skip_special_tokens=True).strip() for c in ro.completion_ids]
+    probs = [dict(p, answer=t, id=f"q{i}") for i, (p, t) in enumerate(zip(PROBLEMS, texts))]
+    probs[2]["answer"] = "not what it says"
+    fr = evaluate(model, tok, probs, k=2, sampling=_greedy(), extract_fn=RAW, batch_size=4)
+    assert fr.columns == EVAL_COLUMNS and fr.height == 6
+    assert fr["problem_id"].to_list() == ["q0", "q0", "q1", "q1", "q2", "q2"]
+    assert fr["sample"].to_list() == [0, 1] * 3
+    assert fr["correct"].to_list() == [True, True, True, True, False, False]
+    assert fr["completion_len"].to_list() == [len(c) for c in ro.completion_ids for _ in range(2)]
+    assert set(fr["finish_reason"].to_list()) <= {"stop", "length"}
+    # default extraction: no \boxed{} in these completions -> pred None -> wrong
+    fr2 = evaluate(model, tok, PROBLEMS, k=1, sampling=_greedy())
+    assert fr2["pred"].to_list() == [None] * 3 and not any(fr2["correct"])
+    assert fr2["problem_id"].to_list() == ["0", "1", "2"]
+
+
+def test_evaluate_seeds(tiny):
+    from opsd.rollout import SamplingConfig
+
+    model, tok = tiny
+    s = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=5)
+    a = evaluate(model, tok, PROBLEMS, k=2, sampling=s, seed=3, extract_fn=RAW, batch_size=4)
+    b = evaluate(model, tok, PROBLEMS, k=2, sampling=s, seed=3, extract_fn=RAW, batch_size=4)
+    c = evaluate(model, tok, PROBLEMS, k=2, sampling=s, seed=4, extract_fn=RAW, batch_size=4)
+    assert a.equals(b)
+    assert a["pred"].to_list() != c["pred"].to_list()
+
+
+def test_evaluate_bad_input(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="problem 1 has no 'answer'"):
+        evaluate(model, tok, [PROBLEMS[0], dict(problem="x")], sampling=_greedy())
+    with pytest.raises(ValueError, match="k >= 1"):
+        evaluate(model, tok, PROBLEMS, k=0)
+
+
+def _logits(model, tok):
+    ids = torch.tensor([tok.encode("Problem: 1 + 1", add_special_tokens=False)])
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_sweep_checkpoints(tiny, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    model, tok = tiny
+    run = tmp_path / "runs" / "tiny-run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(dict(name="tiny", clip="entry")))
+    for step, seed in ((2, 1), (4, 2)):
+        torch.manual_seed(seed)
+        lora = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+        get_peft_model(copy.deepcopy(model), lora).save_pretrained(run / "checkpoints" / f"step-{step}")
+    ref = _logits(model, tok)
+    kw = dict(sampling=_greedy(8), extract_fn=RAW, grade_mode="exact", batch_size=8)
+    fr = sweep_checkpoints(run, model, tok, PROBLEMS, k=2, seeds=(0,), **kw)
+    # the base model comes back unchanged, without LoRA modules
+    torch.testing.assert_close(_logits(model, tok), ref, rtol=0, atol=0)
+    assert not isinstance(model, PeftModel) and not any("lora" in n for n, _ in model.named_modules())
+    rows = [json.loads(l) for l in (run / "eval.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 3 * 2 == fr.height
+    assert {(r["run"], r["step"], r["seed"], r["split"]) for r in rows} == {("tiny", s, 0, "test") for s in (0, 2, 4)}
+    assert set(rows[0]) >= {"run", "step", "seed", "split", "problem_id", "sample", "correct", "pred", "answer"}
+    # step rows are what evaluating that adapter directly gives, and the adapter changes the completions
+    direct = evaluate(PeftModel.from_pretrained(copy.deepcopy(model), str(run / "checkpoints" / "step-2")), tok,
+                      PROBLEMS, k=2, seed=0, **kw)
+    got = fr.filter(pl.col("step") == 2).select(EVAL_COLUMNS)
+    assert got.equals(direct)
+    assert fr.filter(pl.col("step") == 0)["pred"].to_list() != got["pred"].to_list()
+    # append-safe resume: nothing is redone; a new seed only adds its rows
+    assert sweep_checkpoints(run, model, tok, PROBLEMS, k=2, seeds=(0,), **kw).height == 0
+    more = sweep_checkpoints(run, model, tok, PROBLEMS, k=2, seeds=(0, 1), steps=[4], include_base=False, **kw)
+    assert set(more["step"].to_list()) == {4} and set(more["seed"].to_list()) == {1}
+    assert len((run / "eval.jsonl").read_text().splitlines()) == 18 + 6
+    s = summarize_eval(pl.read_ndjson(run / "eval.jsonl", infer_schema_length=None))
+    assert s.height == 4 and set(s["k"].to_list()) == {2}
+    with pytest.raises(ValueError, match=r"steps \[3\]"):
+        sweep_checkpoints(run, model, tok, PROBLEMS, steps=[3], **kw)

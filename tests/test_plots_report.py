@@ -1,0 +1,336 @@
+"""Tests of opsd.plots (figures carry the frame's numbers, colours per clip mode, clear errors) and
+opsd.report (a self-contained offline HTML page, PNGs through kaleido when a Chromium exists)."""
+import json
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import plotly.graph_objects as go
+import polars as pl
+import pytest
+
+from opsd import plots, report
+from opsd.plots import CLIP_COLORS
+
+
+@pytest.fixture(scope="module")
+def metrics():
+    return plots.synthetic_metrics(steps=20, seeds=(0, 1, 2))
+
+
+def _legend(fig):
+    return [d.name for d in fig.data if d.showlegend is not False and d.name]
+
+
+# ---------------------------------------------------------------- plots
+def test_kl_drift_single_replicate_is_the_raw_series(metrics):
+    m = metrics.filter(pl.col("seed") == 1)
+    fig = plots.kl_drift(m)
+    assert isinstance(fig, go.Figure)
+    assert _legend(fig) == ["entry", "scaled", "token", "none"]
+    for d in fig.data:
+        raw = m.filter(pl.col("clip") == d.name).sort("step")
+        assert list(d.x) == raw["step"].to_list()
+        np.testing.assert_allclose(d.y, raw["true_kl"].to_numpy())
+        assert d.line.color == CLIP_COLORS[d.name]
+    assert "nats" in fig.layout.yaxis.title.text
+
+
+def test_kl_drift_mean_and_band_over_seeds(metrics):
+    fig = plots.kl_drift(metrics)
+    mean = next(d for d in fig.data if d.name == "entry (mean of 3)")
+    band = next(d for d in fig.data if d.name == "entry ±1 sd")
+    e = metrics.filter(pl.col("clip") == "entry").group_by("step").agg(
+        m=pl.col("true_kl").mean(), sd=pl.col("true_kl").std()).sort("step")
+    np.testing.assert_allclose(mean.y, e["m"].to_numpy())
+    upper = np.asarray(band.y[: e.height])
+    np.testing.assert_allclose(upper, (e["m"] + e["sd"]).to_numpy())
+    assert band.fill == "toself"
+    with_reps = plots.kl_drift(metrics, show_replicates=True)
+    assert len(with_reps.data) == len(fig.data) + 4 * 3  # one thin line per (run, seed)
+
+
+def test_by_run_and_other_labels(metrics):
+    fig = plots.kl_drift(metrics.filter(pl.col("clip") == "entry"), by="run")
+    assert sorted(_legend(fig)) == ["entry-s0", "entry-s1", "entry-s2"]
+    assert plots.clip_color("something-else") == plots.clip_color("something-else")  # stable
+    assert plots.clip_color("entry") == CLIP_COLORS["entry"]
+
+
+def test_loss_sign_zero_line_and_negative_share(metrics):
+    fig = plots.loss_sign(metrics)
+    assert any(s.y0 == 0 and s.y1 == 0 for s in fig.layout.shapes)  # the zero line
+    neg = [d for d in fig.data if d.yaxis == "y2"]
+    assert len(neg) == 8  # band + mean per clip mode
+    entry_neg = next(d for d in neg if d.name.startswith("entry") and d.mode == "lines")
+    expect = metrics.filter(pl.col("clip") == "entry").group_by("step").agg(pl.col("neg_loss_frac").mean()).sort("step")
+    np.testing.assert_allclose(entry_neg.y, expect["neg_loss_frac"].to_numpy())
+    one_panel = plots.loss_sign(metrics.drop("neg_loss_frac"))
+    assert all(d.yaxis in (None, "y") for d in one_panel.data)
+
+
+def test_argmax_clipped_and_grad_cos(metrics):
+    a = plots.argmax_clipped(metrics)
+    assert a.layout.yaxis.tickformat == ".0%"
+    g = plots.grad_cos(metrics)
+    assert tuple(g.layout.yaxis.range) == (-1.05, 1.05)
+    # nulls (a metric not logged every step) are dropped, not plotted as zeros
+    m = metrics.filter(pl.col("seed") == 0).with_columns(
+        pl.when(pl.col("step") % 2 == 0).then(None).otherwise(pl.col("grad_cos")).alias("grad_cos"))
+    d = plots.grad_cos(m).data[0]
+    assert all(x % 2 == 1 for x in d.x)
+
+
+def test_argmax_clipped_vs_tau():
+    f = pl.DataFrame(dict(tau=[0.2, 0.01, 0.05, 0.05], argmax_clipped_frac=[0.01, 0.3, 0.1, 0.2],
+                          clipped_teacher_mass=[0.02, 0.5, 0.2, 0.3]))
+    fig = plots.argmax_clipped_vs_tau(f)
+    assert fig.layout.xaxis.type == "log"
+    arg = fig.data[0]
+    assert list(arg.x) == [0.01, 0.05, 0.2]  # sorted, duplicates averaged
+    np.testing.assert_allclose(arg.y, [0.3, 0.15, 0.01])
+    assert len(plots.argmax_clipped_vs_tau(f.drop("clipped_teacher_mass")).data) == 1
+    by = plots.argmax_clipped_vs_tau(f.with_columns(clip=pl.Series(["entry", "entry", "token", "token"])), by="clip")
+    assert {d.line.color for d in by.data} == {CLIP_COLORS["entry"], CLIP_COLORS["token"]}
+
+
+def test_clipped_mass_vs_divergence_bins():
+    kl = np.array([0.0, 1e-3, 1e-3, 1e-2, 1e-1, 1.0, 1.0])
+    mass = np.array([0.0, 0.0, 0.2, 0.1, 0.4, 0.8, 0.6])
+    arg = np.array([False, False, False, False, True, True, False])
+    pos = pl.DataFrame(dict(true_kl=kl, clipped_teacher_mass=mass, argmax_clipped=arg))
+    fig = plots.clipped_mass_vs_divergence(pos, bins=3)
+    mean, frac = fig.data[1], fig.data[2]
+    # log bins over [1e-3, 1]: edges 1e-3, 1e-2, 1e-1, 1 -> bins {1e-3,1e-3}, {1e-2}, {1e-1,1,1}
+    np.testing.assert_allclose(mean.y, [0.1, 0.1, 0.6])
+    np.testing.assert_allclose(frac.y, [0, 0, 2 / 3])
+    assert list(mean.customdata) == [2, 1, 3]
+    assert "1 with true KL ≤ 0 left out" in fig.layout.title.text
+    assert fig.layout.xaxis.type == "log"
+    with pytest.raises(ValueError, match="true_kl > 0"):
+        plots.clipped_mass_vs_divergence(pos.filter(pl.col("true_kl") == 0))
+
+
+def test_accuracy_error_bars_are_se_over_seeds():
+    s = plots.synthetic_eval_summary(steps=(0, 50), seeds=(0, 1, 2))
+    fig = plots.accuracy(s)
+    sc = next(d for d in fig.data if d.name == "scaled")
+    vals = s.filter(pl.col("clip") == "scaled", pl.col("step") == 50)["acc"].to_numpy()
+    assert sc.y[1] == pytest.approx(vals.mean())
+    assert sc.error_y.array[1] == pytest.approx(vals.std(ddof=1) / np.sqrt(3))
+    one = plots.accuracy(s.filter(pl.col("seed") == 0))
+    assert list(one.data[0].error_y.array) == [0.0, 0.0]  # a single seed: no bar (se unknown)
+    avg = plots.accuracy(s.rename({"acc": "avg_at_k"}))  # the summarize_eval column works too
+    assert "avg_at_k" in avg.layout.yaxis.title.text
+
+
+@pytest.mark.parametrize("fn,col", [(plots.kl_drift, "true_kl"), (plots.loss_sign, "loss"),
+                                    (plots.argmax_clipped, "argmax_clipped_frac"), (plots.grad_cos, "grad_cos")])
+def test_missing_columns_are_named(metrics, fn, col):
+    with pytest.raises(ValueError, match=col):
+        fn(metrics.drop(col))
+    with pytest.raises(ValueError, match="empty"):
+        fn(metrics.head(0))
+
+
+def test_plots_never_touch_disk(metrics, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plots.kl_drift(metrics), plots.loss_sign(metrics), plots.accuracy(plots.synthetic_eval_summary())
+    plots.clipped_mass_vs_divergence(plots.synthetic_positions(500))
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- report
+def _eval_rows(metrics, steps=(0, 20), n=10, k=2):
+    rng = np.random.default_rng(0)
+    rows = []
+    for run in metrics["run"].unique().sort():
+        for step in steps:
+            for i in range(n):
+                for j in range(k):
+                    ok = bool(rng.random() < 0.5)
+                    rows.append(dict(run=run, step=step, seed=0, split="test", problem_id=str(i), sample=j,
+                                     correct=ok, pred="1" if ok else "2", answer="1"))
+    return pl.DataFrame(rows)
+
+
+def _is_png(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+HAVE_CHROME = report.find_chrome() is not None
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    m = plots.synthetic_metrics(steps=15, seeds=(0, 1), clips=("entry", "scaled"))
+    ev = _eval_rows(m)
+    pos = plots.synthetic_positions(800).with_columns(pl.lit("entry-s0").alias("run"))
+    cfgs = {r: dict(name=r, clip=r.split("-")[0], tau=0.05) for r in m["run"].unique().sort()}
+    out = tmp_path_factory.mktemp("rep") / "report"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        index = report.report_from_frames(m, ev, pos, cfgs, out, title="test report", png=True)
+    return dict(index=index, metrics=m, evals=ev, warnings=[str(x.message) for x in w], out=out)
+
+
+def test_report_html_is_self_contained(built):
+    index = built["index"]
+    assert index.name == "index.html" and index.exists()
+    page = index.read_text()
+    assert page.count("* plotly.js v") == 1  # the bundle inlined exactly once
+    assert re.search(r"<script[^>]+src=[\"']https?:", page) is None  # nothing from the network
+    assert "mathjax" not in page.lower() or "cdnjs" not in page
+    names = list(report.report_figures(built["metrics"], built["evals"],
+                                       plots.synthetic_positions(800).with_columns(pl.lit("entry-s0").alias("run"))))
+    assert names == ["kl_drift", "loss_sign", "argmax_clipped", "grad_cos", "sampled_acc", "clipped_mass_entry-s0", "accuracy_test"]
+    for name in names:
+        assert f'id="fig-{name}"' in page, name
+    assert page.count("Plotly.newPlot") == len(names)
+    for run in built["metrics"]["run"].unique():
+        assert f"<summary>{run}</summary>" in page  # its config
+
+
+def test_report_table_numbers_come_from_the_frames(built):
+    t = report.run_summary(built["metrics"], built["evals"])
+    m = built["metrics"].filter(pl.col("run") == "scaled-s1").sort("step")
+    r = t.filter(pl.col("run") == "scaled-s1").row(0, named=True)
+    assert r["true_kl_first"] == m["true_kl"][0] and r["true_kl_last"] == m["true_kl"][-1]
+    assert r["loss_last"] == m["loss"][-1] and r["argmax_clipped_last"] == m["argmax_clipped_frac"][-1]
+    e = built["evals"].filter(pl.col("run") == "scaled-s1")
+    assert r["acc_first"] == pytest.approx(e.filter(pl.col("step") == 0)["correct"].mean())
+    assert r["acc_last"] == pytest.approx(e.filter(pl.col("step") == 20)["correct"].mean())
+    page = built["index"].read_text()
+    assert f"{m['true_kl'][0]:.4g} → {m['true_kl'][-1]:.4g}" in page
+
+
+@pytest.mark.skipif(not HAVE_CHROME, reason="no Chrome/Chromium for kaleido")
+def test_report_pngs(built):
+    pngs = sorted((built["out"] / "figures").glob("*.png"))
+    assert [p.stem for p in pngs] == sorted(["kl_drift", "loss_sign", "argmax_clipped", "grad_cos", "sampled_acc",
+                                             "clipped_mass_entry-s0", "accuracy_test"])
+    for p in pngs:
+        w, h = _is_png(p)
+        assert w >= 1000 and h >= 400, (p, w, h)
+        assert p.stat().st_size > 20_000, p  # a real plot, not a blank image
+    assert not any("PNGs not written" in m for m in built["warnings"])
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="no chromium binary")
+def test_report_renders_offline_in_chromium(built):
+    # headless Chromium with the network off: every figure must become an SVG plot
+    with tempfile.TemporaryDirectory() as profile:
+        dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                              f"--user-data-dir={profile}", "--proxy-server=127.0.0.1:9", "--virtual-time-budget=8000",
+                              "--dump-dom", built["index"].as_uri()], capture_output=True, text=True, timeout=120).stdout
+    rendered = set(re.findall(r'id="fig-([^"]+)"[^>]*class="[^"]*js-plotly-plot', dom))
+    rendered |= set(re.findall(r'class="[^"]*js-plotly-plot[^"]*"[^>]*id="fig-([^"]+)"', dom))
+    assert len(rendered) == 7, rendered
+    assert dom.count('class="main-svg"') >= 7
+
+
+def test_report_without_chrome_warns_and_still_writes_html(tmp_path, monkeypatch):
+    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-such-chrome"))
+    m = plots.synthetic_metrics(steps=5, seeds=(0,), clips=("entry",))
+    with pytest.warns(UserWarning, match="PNGs not written"):
+        index = report.report_from_frames(m, out_dir=tmp_path / "r", png=True)
+    page = index.read_text()
+    assert 'id="fig-kl_drift"' in page and "PNG copies were not written" in page
+    assert not (tmp_path / "r" / "figures").exists() or not list((tmp_path / "r" / "figures").glob("*.png"))
+
+
+def test_report_png_false_and_bad_input(tmp_path):
+    m = plots.synthetic_metrics(steps=5, seeds=(0,), clips=("token",))
+    index = report.report_from_frames(m, out_dir=tmp_path / "r", png=False)
+    assert index.exists() and not (tmp_path / "r" / "figures").exists()
+    with pytest.raises(ValueError, match="run"):
+        report.report_from_frames(m.drop("run"), out_dir=tmp_path / "r2", png=False)
+    with pytest.raises(ValueError, match="step"):
+        report.run_summary(m, pl.DataFrame(dict(run=["token-s0"], problem_id=["0"], pred=["1"], correct=[True])))
+
+
+def _write_run_dir(root: Path, name: str, clip: str, steps=6, positions="jsonl"):
+    d = root / name
+    d.mkdir(parents=True)
+    m = plots.synthetic_metrics(steps=steps, seeds=(0,), clips=(clip,)).with_columns(pl.lit(name).alias("run"))
+    (d / "config.json").write_text(json.dumps(dict(name=name, clip=clip, tau=0.05)))
+    with open(d / "metrics.jsonl", "w") as f:
+        for r in m.iter_rows(named=True):
+            f.write(json.dumps(r) + "\n")
+    with open(d / "eval.jsonl", "w") as f:
+        for step in (0, steps):
+            for i in range(4):
+                f.write(json.dumps(dict(run=name, step=step, seed=0, split="test", problem_id=str(i), sample=0,
+                                        correct=bool(i % 2), pred=str(i % 2), answer="1")) + "\n")
+    pos = plots.synthetic_positions(300)
+    if positions == "jsonl":  # what opsd.train writes
+        with open(d / "positions.jsonl", "w") as f:
+            for r in pos.iter_rows(named=True):
+                f.write(json.dumps(dict(run=name, step=1, clip=clip, **r)) + "\n")
+    else:
+        pos.write_parquet(d / "positions.parquet")
+    return d
+
+
+def test_write_report_from_run_folders(tmp_path):
+    pytest.importorskip("opsd.train")
+    dirs = [_write_run_dir(tmp_path / "runs", "a", "entry"),
+            _write_run_dir(tmp_path / "runs", "b", "scaled", positions="parquet")]
+    index = report.write_report(dirs, tmp_path / "rep", title="two runs", png=False)
+    page = index.read_text()
+    for fig in ("kl_drift", "loss_sign", "accuracy_test", "clipped_mass_a", "clipped_mass_b"):
+        assert f'id="fig-{fig}"' in page, fig
+    assert "<summary>a</summary>" in page and "<summary>b</summary>" in page
+    table = report.run_summary(*[pl.concat([report.load_run(d)[i] for d in dirs], how="diagonal_relaxed") for i in (0, 1)])
+    assert table["run"].to_list() == ["a", "b"] and table["steps"].to_list() == [6, 6]
+    assert table["acc_last"].to_list() == [0.5, 0.5]
+    with pytest.raises(ValueError, match="not a run folder"):
+        report.write_report([tmp_path / "missing"], tmp_path / "rep2", png=False)
+
+
+def test_report_of_a_real_training_run(tmp_path):
+    # end to end on CPU: train a tiny real Qwen3 (2 steps), sweep its checkpoints, report from the folder
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from opsd.data import qwen3_tokenizer
+    from opsd.eval import extract_boxed, grade, sweep_checkpoints
+    from opsd.rollout import SamplingConfig
+    train = pytest.importorskip("opsd.train")
+
+    torch.set_num_threads(2)
+    tok = qwen3_tokenizer()
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    probs = [dict(problem=f"What is {a} + {b}?", solution=f"{a} + {b} = {a + b}. \\boxed{{{a + b}}}", answer=str(a + b))
+             for a in range(3) for b in range(3)]
+    cfg = train.OPSDConfig(model=str(tmp_path / "base"), run_dir=str(tmp_path / "runs" / "tiny"), clip="entry", lora_r=4,
+                           lora_alpha=8, lr=1e-2, batch_size=4, micro_batch_size=4, steps=2, save_every=1, dtype="float32",
+                           max_completion_length=6, log_positions=16)
+    run = train.OPSDTrainer(cfg, probs, grader=lambda t, a: grade(extract_boxed(t), a, "exact"), progress=False).fit()
+    base, tk = train.load_model(str(tmp_path / "base"), "float32")
+    sweep_checkpoints(run, base, tk, probs[:3], k=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
+    index = report.write_report([run], tmp_path / "report", png=False)
+    page = index.read_text()
+    for name in ("kl_drift", "loss_sign", "argmax_clipped", "grad_cos", "clipped_mass_tiny", "accuracy_test"):
+        assert f'id="fig-{name}"' in page, name
+    m = train.read_metrics(run).sort("step")
+    assert f"{m['true_kl'][0]:.4g} → {m['true_kl'][-1]:.4g}" in page  # the table's numbers are the log's
+    figs = report.report_figures(m, train.read_eval(run), train.read_positions(run))
+    assert list(figs["kl_drift"][1].data[0].y) == m["true_kl"].to_list()
+    ev = train.read_eval(run)
+    assert sorted(set(ev["step"].to_list())) == [0, 1, 2]
+    acc = figs["accuracy_test"][1].data[0]
+    assert list(acc.y) == [ev.filter(pl.col("step") == s)["correct"].mean() for s in (0, 1, 2)]
