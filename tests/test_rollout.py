@@ -175,3 +175,25 @@ def test_vllm_matches_hf_and_syncs(tmp_path):
     pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     v.sync_weights(pm)
     assert v.generate(PROMPTS, sc).completion_ids == HFRollout(pm, pad_id=PAD, eos_id=EOS).generate(PROMPTS, sc).completion_ids
+
+
+def test_padding_report_real_tokenizer():
+    "padding_report end to end: Qwen3 tokenizer (offline), a random tiny model of its vocabulary, JSON-ready output."
+    import json
+    from opsd.data import qwen3_tokenizer
+    from opsd.rollout import format_padding_report, padding_report
+    tok = qwen3_tokenizer()
+    torch.manual_seed(0)
+    m = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)).eval()
+    recs = [dict(problem=f"What is {a} + {b}?", solution=f"{a} + {b} = {a + b}." + " Again." * (3 * a), answer=str(a + b))
+            for a, b in [(1, 2), (9, 4), (5, 6), (2, 7), (3, 3)]]
+    rep = padding_report(m, tok, recs, n=3, seed=1, sampling=SamplingConfig(max_new_tokens=4), gaps=(0, 32))
+    json.dumps(rep)
+    assert rep["n"] == 3 and len(set(rep["record_idx"])) == 3
+    p = rep["perturbation"]
+    assert p["aligned"]["kl_max"] < 1e-9 and p["released"]["kl_mean"] > 1e-9
+    assert p["pad_gap"]["max"] > 0 and rep["gap_sweep"][0]["kl_max"] == 0.0
+    assert "released" in format_padding_report(rep)
+    with pytest.raises(ValueError, match="records row 1"):
+        padding_report(m, tok, [recs[0], dict(problem="x")])

@@ -1,0 +1,192 @@
+"Tests of opsd.toy: problems and splits, the slip, the tokenizer, and a reduced build -> cache -> from_pretrained -> generate."
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from opsd.data import QWEN3_CHAT_TEMPLATE, last_boxed, student_prompt, teacher_prompt
+from opsd.toy import (TOY_PROMPT, TOY_SPECIAL_TOKENS, ToyConfig, build_toy_base, generate_completions, load_toy_base,
+                      make_problems, measure_toy, sft_examples, slip_solution, solution_steps, split_of, toy_base_path,
+                      toy_build_info, toy_config, toy_grade, toy_model, toy_tokenizer)
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16, sft_steps=12, warmup_steps=2, batch_size=8, n_eval=8, max_new_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return toy_tokenizer()
+
+
+# ---------------------------------------------------------------- problems
+def test_make_problems_deterministic():
+    a = make_problems(50, seed=3)
+    assert a == make_problems(50, seed=3)
+    assert a != make_problems(50, seed=4)
+    assert make_problems(50, seed=3, split="test") == make_problems(50, seed=3, split="test")
+
+
+def test_splits_disjoint_across_seeds_and_knobs():
+    train = {p["problem"] for s in range(4) for p in make_problems(1500, seed=s, split="train")}
+    test = {p["problem"] for s in range(4) for p in make_problems(400, seed=s, split="test")}
+    test |= {p["problem"] for p in make_problems(300, seed=9, split="test", max_ops=2)}
+    assert not train & test
+    assert all(split_of(p) == "train" for p in train) and all(split_of(p) == "test" for p in test)
+    # about a fifth of problems fall in the test split
+    assert 0.17 < sum(split_of(f"x{i}") == "test" for i in range(5000)) / 5000 < 0.23
+
+
+def test_problem_records_are_correct():
+    for p in make_problems(300, seed=1, min_ops=1, max_ops=3):
+        assert set(p) == {"problem", "solution", "answer", "id"}
+        steps = solution_steps(p["solution"])
+        assert 1 <= len(steps) <= 3
+        assert eval(p["problem"]) == int(p["answer"]) == steps[-1][3]  # the parenthesised text means what it says
+        assert last_boxed(p["solution"]) == p["answer"]
+        assert all(0 <= r <= 999 for *_, r in steps)
+        assert all(steps[j + 1][0] == steps[j][3] for j in range(len(steps) - 1))
+    ids = [p["id"] for p in make_problems(100, seed=1)]
+    assert len(set(ids)) == 100
+    assert len({p["problem"] for p in make_problems(500, seed=2)}) == 500  # unique by default
+
+
+def test_make_problems_errors():
+    with pytest.raises(ValueError, match="split must be"):
+        make_problems(1, split="valid")
+    with pytest.raises(ValueError, match="min_ops"):
+        make_problems(1, min_ops=3, max_ops=2)
+    with pytest.raises(ValueError, match="ops must be"):
+        make_problems(1, ops="/")
+    with pytest.raises(ValueError, match="distinct"):
+        make_problems(50, min_ops=1, max_ops=1, max_start=2, max_operand=2, ops="+")
+
+
+def test_slip_is_consistent_and_wrong():
+    rng = random.Random(0)
+    for p in make_problems(200, seed=5):
+        s = slip_solution(p["solution"], rng)
+        steps, orig = solution_steps(s), solution_steps(p["solution"])
+        assert len(steps) == len(orig)
+        assert last_boxed(s) != p["answer"]
+        assert all(steps[j + 1][0] == steps[j][3] for j in range(len(steps) - 1))
+        assert [(op, b) for _, op, b, _ in steps] == [(op, b) for _, op, b, _ in orig]  # same operations
+        first = next(j for j in range(len(steps)) if steps[j] != orig[j])
+        assert abs(steps[first][3] - orig[first][3]) == 1  # the slip is one off
+    with pytest.raises(ValueError, match="not a toy solution"):
+        slip_solution("no steps here", rng)
+
+
+# ---------------------------------------------------------------- tokenizer
+def test_tokenizer_specials_and_round_trip(tok):
+    assert tok.convert_tokens_to_ids(list(TOY_SPECIAL_TOKENS)) == [0, 1, 2, 3, 4]
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>" and tok.eos_token_id != tok.pad_token_id
+    assert len(tok) < 512
+    for text in ["12-9=3\n3*8=24\n\\boxed{24}", "arbitrary text ünï 🙂 {}", "<think>\n\n</think>\n\n", ""]:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.convert_ids_to_tokens(tok.encode("905")) == ["9", "0", "5"]
+    assert tok.get_vocab() == toy_tokenizer().get_vocab()
+
+
+def test_tokenizer_chat_template(tok):
+    assert tok.chat_template == QWEN3_CHAT_TEMPLATE
+    sp = student_prompt(tok, "(1+2)*3", TOY_PROMPT)
+    assert sp == ("<|im_start|>user\nProblem: (1+2)*3\nSolve step by step. Answer in \\boxed{}.<|im_end|>\n"
+                  "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    tp = teacher_prompt(tok, "(1+2)*3", "1+2=3\n3*3=9\n\\boxed{9}", TOY_PROMPT)
+    assert "=== Reference Begin ===\n1+2=3\n3*3=9\n\\boxed{9}\n=== Reference End ===\nDerive it yourself" in tp
+    assert tp.endswith("<|im_start|>assistant\n")
+    ids = tok.encode(sp)
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and ids.count(tok.convert_tokens_to_ids("<think>")) == 1
+    assert len(tok.encode(tp)) < 90  # short prompts for a tiny model
+
+
+# ---------------------------------------------------------------- config and SFT data
+def test_presets():
+    assert toy_config().slip_frac == ToyConfig().slip_frac == 0.35
+    assert toy_config("copy").slip_frac == 0.0
+    with pytest.raises(ValueError, match="unknown toy preset"):
+        toy_config("nope")
+    with pytest.raises(ValueError, match="unknown ToyConfig field"):
+        toy_config(hidden=3)
+    with pytest.raises(ValueError, match="unknown toy preset"):
+        build_toy_base(preset="nope")
+    assert toy_base_path(toy_config("soft")) != toy_base_path(toy_config("soft", seed=1))
+
+
+def test_sft_examples_formats(tok):
+    cfg = toy_config(**SMALL)
+    P, T, kinds = sft_examples(cfg, tok, n=600)
+    n_t = kinds.count("teacher") + kinds.count("slipped")
+    assert 0.4 < n_t / 600 < 0.6 and 0.25 < kinds.count("slipped") / n_t < 0.45
+    for p, t, k in zip(P, T, kinds):
+        prompt, target = tok.decode(p), tok.decode(t)
+        assert target.endswith("<|im_end|>")
+        sol = target[:-len("<|im_end|>")]
+        if k == "student":
+            assert "Reference" not in prompt
+        else:
+            ref = prompt.split("=== Reference Begin ===\n")[1].split("\n=== Reference End ===")[0]
+            assert (ref == sol) == (k == "teacher")  # slipped references differ, the target stays correct
+    _, _, clean = sft_examples(toy_config("copy", **SMALL), tok, n=300)
+    assert "slipped" not in clean
+
+
+# ---------------------------------------------------------------- build, cache, load, generate
+def test_build_cache_load_generate(tmp_path, tok):
+    cfg = toy_config(**SMALL)
+    path = build_toy_base(cfg, cache_dir=tmp_path, progress=False)
+    assert path.parent == tmp_path and path.name.startswith("soft-")
+    assert (path / "model.safetensors").exists() and (path / "tokenizer.json").exists()
+    info = toy_build_info(path)
+    assert info["config"] == json.loads(json.dumps(cfg.__dict__)) and info["seconds"] > 0
+    assert {"student_acc", "teacher_acc", "teacher_top_prob"} <= set(info["measure"])
+    assert not list(tmp_path.glob("*.tmp*"))  # no leftovers
+
+    # cache reuse: the second call does not retrain (the weights file is untouched)
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    t0 = time.time()
+    assert build_toy_base(cfg, cache_dir=tmp_path, progress=False) == path
+    assert time.time() - t0 < 0.5 and (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+    model, tk = load_toy_base(path)
+    assert isinstance(model, Qwen3ForCausalLM) and not model.training
+    assert isinstance(AutoModelForCausalLM.from_pretrained(path), Qwen3ForCausalLM)
+    assert tk.get_vocab() == tok.get_vocab() and tk.chat_template == QWEN3_CHAT_TEMPLATE
+    assert model.config.vocab_size % 64 == 0 and model.config.vocab_size >= len(tk)
+    prompts = [student_prompt(tk, p["problem"], TOY_PROMPT) for p in make_problems(4, seed=0, split="test")]
+    outs = generate_completions(model, tk, prompts, max_new_tokens=10)
+    assert len(outs) == 4 and all(0 < len(o) <= 10 for o in outs)
+    samp = generate_completions(model, tk, prompts, max_new_tokens=10, do_sample=True, seed=0)
+    assert samp == generate_completions(model, tk, prompts, max_new_tokens=10, do_sample=True, seed=0)
+
+    # reproducible: the same config built again gives the same weights
+    again = build_toy_base(cfg, cache_dir=tmp_path / "again", progress=False)
+    m2, _ = load_toy_base(again)
+    for a, b in zip(model.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+
+    # force rebuilds; a different config is a different folder
+    assert build_toy_base(cfg, cache_dir=tmp_path, force=True, progress=False) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns != mtime
+    copy = build_toy_base(toy_config("copy", **SMALL), preset="copy", cache_dir=tmp_path, progress=False)
+    assert copy != path and copy.name.startswith("copy-")
+
+
+def test_load_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no toy base"):
+        load_toy_base(tmp_path)
+
+
+def test_measure_and_grade(tok):
+    assert toy_grade("x\n\\boxed{12}", "12") and not toy_grade("\\boxed{12}", "13") and not toy_grade("", "1")
+    cfg = toy_config(**SMALL)
+    model = toy_model(cfg, tok).eval()
+    r = measure_toy(model, tok, cfg, n=6)
+    assert 0 <= r["student_acc"] <= 1 and 0 <= r["teacher_acc"] <= 1
+    assert 0 < r["teacher_top_prob"] <= 1 and 0 < r["student_top_prob"] <= 1
+    assert r == measure_toy(model, tok, cfg, n=6)  # fixed held-out set and seeded sampling
