@@ -15,7 +15,7 @@ def tok(tmp_path_factory):
     # build into a private folder: exercises the build path and the cache-reload path
     d = tmp_path_factory.mktemp("qwen3tok") / "tok"
     t = qwen3_tokenizer(cache_dir=d)
-    assert (d / "tokenizer.json").exists()
+    assert (d / "tokenizer.json").exists() and (d / "opsd_build.json").exists()
     return qwen3_tokenizer(cache_dir=d)  # second call loads the saved copy
 
 
