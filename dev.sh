@@ -3,6 +3,7 @@
 #   bash dev.sh demo [opsd demo options]   run the main job on the embedded default
 #   bash dev.sh test                       check notebooks == package, run nbdev_test and pytest
 #   bash dev.sh opsd ARGS...               any opsd command inside the project's environment
+#   bash dev.sh readme                     regenerate README.md from nbs/index.ipynb
 # Both create (once) and reuse a local virtual environment in .venv, installing torch's CPU
 # wheel first where there is no GPU, then the pinned set in requirements-cpu.txt.
 set -euo pipefail
@@ -58,11 +59,18 @@ run_tests() {
   python -m pytest -q tests -p no:cacheprovider
 }
 
+readme() {  # README.md from nbs/index.ipynb (nbdev_readme needs quarto, which is not installable offline)
+  "$VENV/bin/jupyter" nbconvert --to markdown --stdout nbs/index.ipynb 2>/dev/null \
+    | sed -e 's#](images/#](nbs/images/#g' > README.md
+  echo "[dev.sh] README.md written from nbs/index.ipynb"
+}
+
 cmd="${1:-help}"; shift || true
 case "$cmd" in
   demo) setup; chromium; exec "$VENV/bin/opsd" demo "$@" ;;
   test) setup; chromium; run_tests ;;
   opsd) setup; exec "$VENV/bin/opsd" "$@" ;;
   setup) setup ;;
-  *) sed -n '2,8p' "$0"; exit 2 ;;
+  readme) setup; readme ;;
+  *) sed -n '2,9p' "$0"; exit 2 ;;
 esac

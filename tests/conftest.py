@@ -32,3 +32,12 @@ def toy_problems():
 def venv_bin(name: str) -> str:
     import sys
     return str(Path(sys.executable).parent / name)
+
+
+@pytest.fixture(scope="session")
+def toy_data_file(toy_problems, tmp_path_factory) -> Path:
+    "The toy problems as a jsonl file (what a user passes with --data)."
+    import json
+    path = tmp_path_factory.mktemp("data") / "toy.jsonl"
+    path.write_text("".join(json.dumps({k: p[k] for k in ("problem", "solution", "answer")}) + "\n" for p in toy_problems))
+    return path

@@ -69,6 +69,7 @@ def test_quick_demo_outputs_are_consistent(quick_demo):
     step0 = [pl.read_ndjson(rd / "eval.jsonl").filter(pl.col("step") == 0).sort("problem_id")["correct"].to_list() for rd in runs.values()]
     assert step0[0] == step0[1] == step0[2]
     page = (out / "report-soft" / "index.html").read_text()
-    assert page.count("<script") >= 1 and "https://cdn" not in page
+    import re
+    assert page.count("<script") >= 1 and not re.search(r"<script[^>]+src=[\"']https?:", page)  # opens offline
     table = pl.read_csv(out / "summary.csv")
     assert table.height == 3
