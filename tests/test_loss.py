@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings, strategies as st
 from opsd.loss import CLIP_MODES, divergence, divergence_grad, opsd_loss, entry_summands, log_probs, sampled_token_loss
 from opsd.diagnostics import clip_diagnostics, summarize_diagnostics
 
-settings.register_profile("opsd", max_examples=40, deadline=None)
+settings.register_profile("opsd", max_examples=40, deadline=None, derandomize=True)
 settings.load_profile("opsd")
 
 
@@ -69,8 +69,8 @@ def test_scaled_gradient_parallel_to_true(p, tau):
     d = divergence(*p)
     for a, b, dv in zip(g_true.reshape(-1, g_true.shape[-1]), g_scaled.reshape(-1, g_true.shape[-1]), d.reshape(-1)):
         if a.norm() > 1e-9:
-            assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 1 - 1e-9
-            torch.testing.assert_close(b.norm() / a.norm(), torch.clamp(tau / dv, max=1.0), rtol=1e-6, atol=1e-12)
+            assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 1 - 1e-6
+            torch.testing.assert_close(b.norm() / a.norm(), torch.clamp(tau / dv, max=1.0), rtol=1e-4, atol=1e-9)
 
 
 @given(logit_pairs(), taus, temps)
