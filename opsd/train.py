@@ -170,7 +170,7 @@ def read_config(run_dir) -> dict:
 
 # %% ../nbs/06_train.ipynb #a1763596
 def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 def load_model(path: str, dtype: str = "float32", device=None):
     "A causal LM and its tokenizer via `from_pretrained` (a local folder or a hub name)."
