@@ -6,7 +6,7 @@
 from __future__ import annotations
 import torch
 from .loss import divergence, divergence_grad, opsd_loss
-from .diagnostics import clip_diagnostics, DIAGNOSTIC_KEYS
+from .diagnostics import clip_diagnostics, loss_grad_diagnostics, POSITION_KEYS, BOOL_KEYS
 
 # %% auto #0
 __all__ = ['chunk_divergence', 'default_chunk_size', 'fused_divergence', 'bf16_case', 'grad_error']
@@ -30,14 +30,13 @@ def chunk_divergence(student_logits: torch.Tensor, # (C, V) fp32 student logits 
                     ) -> tuple[torch.Tensor, torch.Tensor, dict]: # per-position loss (C,), d sum(loss) / d student_logits (C, V), diagnostics
     "Per-position loss, its gradient w.r.t. the student logits, and the clip diagnostics, for one chunk."
     kw = dict(beta=beta, temperature=temperature, clip=clip, tau=tau, top_k=top_k)
-    if closed_form:
-        per, grad = divergence(student_logits, teacher_logits, **kw), divergence_grad(student_logits, teacher_logits, **kw)
+    if closed_form: return loss_grad_diagnostics(student_logits, teacher_logits, diagnostics=diagnostics, **kw)
     else:
         def f(z):
             per = divergence(z, teacher_logits, **kw)
             return per.sum(), per
         grad, (_, per) = torch.func.grad_and_value(f, has_aux=True)(student_logits)
-    diag = clip_diagnostics(student_logits, teacher_logits, beta=beta, temperature=temperature, tau=tau) if diagnostics else {}
+    diag = clip_diagnostics(student_logits, teacher_logits, beta=beta, temperature=temperature, tau=tau, clip=clip, top_k=top_k) if diagnostics else {}
     return per, grad, diag
 
 # %% ../nbs/02_fused.ipynb #b8a1d4a5
@@ -96,8 +95,7 @@ class _FusedDivergence(torch.autograd.Function):
         ctx.save_for_backward(*([gh, gw] if need_gw else [gh]))
         ctx.need_gw, ctx.dtypes = need_gw, (hs.dtype, w.dtype)
         if not diag_out and opts["diagnostics"]:                              # no valid position at all
-            diag_out = {k: per_out.new_zeros(n, dtype=torch.bool if k in ("argmax_clipped", "neg_loss") else cdt)
-                        for k in DIAGNOSTIC_KEYS}
+            diag_out = {k: per_out.new_zeros(n, dtype=torch.bool if k in BOOL_KEYS else cdt) for k in POSITION_KEYS}
         opts["keys"] = list(diag_out)
         outs = [diag_out[k] for k in opts["keys"]]
         ctx.mark_non_differentiable(per_out, *outs)
@@ -144,7 +142,7 @@ def fused_divergence(student_hidden: torch.Tensor, # (..., H) final hidden state
     loss, per, *dv = _FusedDivergence.apply(hs.index_select(0, idx), ht.index_select(0, idx), lm_head_weight, opts)
     def full(v):                                                                 # back to (...,), 0 where ignored
         out = v.new_zeros(lab.shape); out[idx] = v; return out.reshape(labels.shape)
-    diag = {"loss": full(per), **{k: full(v) for k, v in zip(opts["keys"], dv)}, "mask": mask.reshape(labels.shape)}
+    diag = {**{k: full(v) for k, v in zip(opts["keys"], dv)}, "loss": full(per), "mask": mask.reshape(labels.shape)}
     return loss, diag
 
 # %% ../nbs/02_fused.ipynb #00f8ca76

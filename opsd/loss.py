@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['CLIP_MODES', 'log_probs', 'entry_summands', 'divergence', 'summand_slopes', 'softmax_grad', 'divergence_grad',
-           'masked_sum', 'normaliser', 'opsd_loss', 'sampled_token_logprobs', 'sampled_token_loss']
+__all__ = ['CLIP_MODES', 'log_probs', 'entry_summands', 'effective_clip', 'entry_kept', 'divergence_terms', 'clip_reduce',
+           'divergence', 'summand_slopes', 'softmax_grad', 'divergence_grad', 'masked_sum', 'normaliser', 'opsd_loss',
+           'sampled_token_logprobs', 'sampled_token_loss']
 
 # %% ../nbs/00_loss.ipynb #166800cf
 CLIP_MODES = ("none", "entry", "token", "scaled")
@@ -45,36 +46,60 @@ def entry_summands(s_logp: torch.Tensor, # (..., V) student log-probs
 
 # %% ../nbs/00_loss.ipynb #be9afbb7
 def _topk_logits(student_logits, teacher_logits, top_k):
-    "Gather both logits at the teacher's top-k ids (renormalised later by the log-softmax)."
-    if top_k is None or top_k >= teacher_logits.shape[-1]: return student_logits, teacher_logits, None
-    if top_k < 1: raise ValueError(f"top_k must be >= 1, got {top_k}")
+    "Gather both logits at the teacher's top-k ids (renormalised later by the log-softmax); None or 0 = off."
+    if top_k is None or top_k == 0 or top_k >= teacher_logits.shape[-1]: return student_logits, teacher_logits, None
+    if top_k < 0: raise ValueError(f"top_k must be >= 0 (0 or None = the full vocabulary), got {top_k}")
     idx = teacher_logits.topk(top_k, dim=-1).indices
     return student_logits.gather(-1, idx), teacher_logits.gather(-1, idx), idx
 
-def _check(student_logits, teacher_logits, clip):
+def _check(student_logits, teacher_logits, clip, tau=None):
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student_logits {tuple(student_logits.shape)} and teacher_logits {tuple(teacher_logits.shape)} differ in shape")
     clip = "none" if clip is None else clip
     if clip not in CLIP_MODES: raise ValueError(f"clip must be one of {CLIP_MODES} or None, got {clip!r}")
-    return clip
+    return effective_clip(clip, tau)
+
+def effective_clip(clip: str | None, tau: float | None) -> str:
+    "The clip mode that applies: 'none' when clip is None/'none' or tau is None or <= 0 (the release's 'off')."
+    return "none" if clip is None or tau is None or tau <= 0 else clip
+
+def entry_kept(e: torch.Tensor, # (..., V) per-entry summands
+               tau: float, # clip threshold
+              ) -> torch.Tensor: # (..., V) True where the entry keeps its gradient (e <= tau, as torch.clamp)
+    "The entries the entry clip leaves alone: the single definition of the kept set U."
+    return e <= tau
+
+def divergence_terms(student_logits: torch.Tensor, # (..., V) student logits (gradients flow here)
+                     teacher_logits: torch.Tensor, # (..., V) teacher logits (detached inside)
+                     beta: float = 0.0, temperature: float = 1.0, top_k: int | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: # s_logp, t_logp, e (..., V or k), top-k ids
+    "Log-probabilities of both sides and the per-entry summands: what every clip mode and diagnostic starts from."
+    zs, zt, idx = _topk_logits(student_logits, teacher_logits.detach(), top_k)
+    s_logp, t_logp = log_probs(zs, temperature), log_probs(zt, temperature)
+    return s_logp, t_logp, entry_summands(s_logp, t_logp, beta), idx
+
+def clip_reduce(e: torch.Tensor, # (..., V) per-entry summands (with gradient)
+                clip: str = "none", tau: float = 0.05) -> torch.Tensor: # (...,) per-position values
+    "Apply a clip mode to the summands and sum over the vocabulary."
+    clip = effective_clip(clip, tau)
+    if clip == "entry": return e.clamp(max=tau).sum(-1)
+    d = e.sum(-1)
+    if clip == "token": return d.clamp(max=tau)
+    if clip == "scaled": return d * (tau / d.detach().clamp(min=torch.finfo(d.dtype).tiny)).clamp(max=1.0)
+    return d
 
 def divergence(student_logits: torch.Tensor, # (..., V) student logits (gradients flow here)
                teacher_logits: torch.Tensor, # (..., V) teacher logits (detached inside)
                beta: float = 0.0, # 0 forward KL(t||s), 1 reverse KL(s||t), else generalized JSD
                temperature: float = 1.0, # both distributions are softmax(logits / temperature)
                clip: str | None = None, # None/'none', 'entry' (released), 'token' or 'scaled'
-               tau: float = 0.05, # clip threshold
-               top_k: int | None = None, # restrict to the teacher's top-k entries, renormalised
+               tau: float = 0.05, # clip threshold; <= 0 or None turns the clip off
+               top_k: int | None = None, # restrict to the teacher's top-k entries, renormalised; None or 0 = off
               ) -> torch.Tensor: # (...,) per-position values in fp32 (fp64 for fp64 input)
     "Per-position divergence between student and teacher next-token distributions."
-    clip = _check(student_logits, teacher_logits, clip)
-    zs, zt, _ = _topk_logits(student_logits, teacher_logits.detach(), top_k)
-    e = entry_summands(log_probs(zs, temperature), log_probs(zt, temperature), beta)  # (..., V)
-    if clip == "entry": return e.clamp(max=tau).sum(-1)
-    d = e.sum(-1)
-    if clip == "token": return d.clamp(max=tau)
-    if clip == "scaled": return d * (tau / d.detach().clamp(min=torch.finfo(d.dtype).tiny)).clamp(max=1.0)
-    return d
+    clip = _check(student_logits, teacher_logits, clip, tau)
+    _, _, e, _ = divergence_terms(student_logits, teacher_logits, beta, temperature, top_k)  # (..., V)
+    return clip_reduce(e, clip, tau)
 
 # %% ../nbs/00_loss.ipynb #bd7b6fdb
 def summand_slopes(s_logp: torch.Tensor, t_logp: torch.Tensor, beta: float = 0.0) -> torch.Tensor:
@@ -97,15 +122,13 @@ def divergence_grad(student_logits: torch.Tensor, # (..., V) student logits
                     tau: float = 0.05, top_k: int | None = None,
                    ) -> torch.Tensor: # (..., V) d divergence / d student_logits, closed form
     "Closed-form gradient of `divergence` (per position) with respect to the student logits."
-    clip = _check(student_logits, teacher_logits, clip)
-    zs, zt, idx = _topk_logits(student_logits.detach(), teacher_logits.detach(), top_k)
-    s_logp, t_logp = log_probs(zs, temperature), log_probs(zt, temperature)
-    e = entry_summands(s_logp, t_logp, beta)
+    clip = _check(student_logits, teacher_logits, clip, tau)
+    s_logp, t_logp, e, idx = divergence_terms(student_logits.detach(), teacher_logits, beta, temperature, top_k)
     sg = summand_slopes(s_logp, t_logp, beta)
-    if clip == "entry": sg = torch.where(e < tau, sg, torch.zeros_like(sg))
+    if clip == "entry": sg = torch.where(entry_kept(e, tau), sg, torch.zeros_like(sg))
     grad = softmax_grad(s_logp, sg, temperature)
     d = e.sum(-1, keepdim=True)
-    if clip == "token": grad = grad * (d < tau)
+    if clip == "token": grad = grad * (d <= tau)
     if clip == "scaled": grad = grad * (tau / d.clamp(min=torch.finfo(d.dtype).tiny)).clamp(max=1.0)
     if idx is None: return grad
     return torch.zeros(student_logits.shape, dtype=grad.dtype, device=grad.device).scatter(-1, idx, grad)

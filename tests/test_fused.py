@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from opsd.diagnostics import DIAGNOSTIC_KEYS, clip_diagnostics, summarize_diagnostics
+from opsd.diagnostics import POSITION_KEYS, clip_diagnostics, summarize_diagnostics
 from opsd.fused import bf16_case, default_chunk_size, fused_divergence, grad_error
 from opsd.loss import opsd_loss
 
@@ -59,10 +59,10 @@ def test_matches_opsd_loss_float64(T, clip, beta, top_k):
 def test_case_exercises_the_clip():
     hs, ht, w, labels = case(T=401, seed=401)
     d = clip_diagnostics(hs @ w.T, ht @ w.T, temperature=1.1, tau=0.05)
-    kl = d["true_kl"]
+    kl = d["kl/true"]
     assert 0.2 < float((kl > 0.05).double().mean()) < 0.8       # token clip active at some positions only
-    assert float(d["argmax_clipped"].double().mean()) > 0.05    # entry clip hits the teacher's argmax
-    assert bool(d["neg_loss"].any())
+    assert float(d["entry/argmax_clipped"].double().mean()) > 0.05    # entry clip hits the teacher's argmax
+    assert bool(d["entry/neg_loss"].any())
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
@@ -72,7 +72,7 @@ def test_diagnostics_match_clip_diagnostics(beta):
     ref = clip_diagnostics((hs @ w.T).detach(), ht @ w.T, labels, beta=beta, temperature=1.1, tau=0.05)
     m = labels != -100
     assert torch.equal(diag["mask"], m)
-    for k in DIAGNOSTIC_KEYS:
+    for k in POSITION_KEYS:
         assert diag[k].shape == labels.shape and diag[k].dtype == ref[k].dtype, k
         torch.testing.assert_close(diag[k][m].double(), ref[k][m].double(), rtol=1e-10, atol=1e-12, msg=k)
         assert not diag[k][~m].double().abs().sum(), k                 # zeros where ignored
@@ -98,7 +98,7 @@ def test_any_leading_shape():
     torch.testing.assert_close(a[0], b[0])
     torch.testing.assert_close(a[1].reshape(39, -1), b[1])
     torch.testing.assert_close(a[2], b[2])
-    assert da["true_kl"].shape == (3, 13) and db["true_kl"].shape == (39,)
+    assert da["kl/true"].shape == (3, 13) and db["kl/true"].shape == (39,)
 
 
 def test_gradient_accumulation_with_num_items():
@@ -120,7 +120,7 @@ def test_fully_masked_batch_gives_zero_not_nan():
     labels[:] = -100
     (loss, gh, gw), diag = fused(hs, ht, w, labels)
     assert loss.item() == 0.0 and not gh.abs().sum() and not gw.abs().sum()
-    assert set(DIAGNOSTIC_KEYS) <= set(diag) and not diag["mask"].any()
+    assert set(POSITION_KEYS) <= set(diag) and not diag["mask"].any()
 
 
 def test_teacher_gets_no_gradient_and_frozen_weight_is_fine():
@@ -155,7 +155,7 @@ def test_compiled_chunk_path_matches_eager():
     a, da = fused(hs, ht, w, labels, chunk_size=16, compile=False)
     b, db = fused(hs, ht, w, labels, chunk_size=16, compile=True)
     for x, y in zip(a, b): torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(da["grad_cos"], db["grad_cos"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(da["entry/grad_cos"], db["entry/grad_cos"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("bad", ["shape", "labels", "weight", "chunk", "clip"])

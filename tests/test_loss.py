@@ -145,15 +145,22 @@ def test_leading_shape_and_dtype_invariance(p, clip):
 @given(logit_pairs(), taus)
 def test_diagnostics_consistent_with_loss(p, tau):
     d = clip_diagnostics(*p, tau=tau)
-    torch.testing.assert_close(d["entry_clip_loss"], divergence(*p, clip="entry", tau=tau))
-    torch.testing.assert_close(d["true_kl"], divergence(*p))
-    assert ((d["clipped_teacher_mass"] >= 0) & (d["clipped_teacher_mass"] <= 1 + 1e-9)).all()
-    assert ((d["grad_cos"] >= -1 - 1e-9) & (d["grad_cos"] <= 1 + 1e-9)).all()
+    torch.testing.assert_close(d["entry/loss"], divergence(*p, clip="entry", tau=tau))
+    torch.testing.assert_close(d["loss"], d["entry/loss"])
+    torch.testing.assert_close(d["kl/true"], divergence(*p))
+    assert ((d["entry/clipped_teacher_mass"] >= 0) & (d["entry/clipped_teacher_mass"] <= 1 + 1e-9)).all()
+    assert ((d["entry/grad_cos"] >= -1 - 1e-9) & (d["entry/grad_cos"] <= 1 + 1e-9)).all()
     # nothing clipped -> the clipped gradient is the true gradient
-    none_clipped = d["clipped_entry_frac"] == 0
-    assert (d["grad_cos"][none_clipped & (d["true_kl"] > 1e-8)] > 1 - 1e-6).all()
+    none_clipped = d["entry/clipped_entry_frac"] == 0
+    assert (d["entry/grad_cos"][none_clipped & (d["kl/true"] > 1e-8)] > 1 - 1e-6).all()
     s = summarize_diagnostics(d)
-    assert 0 <= s["argmax_clipped_frac"] <= 1
+    assert 0 <= s["entry/argmax_clipped_frac"] <= 1
+    # the entry instruments do not depend on the clip the run trains with; update_cos does
+    for clip in ("none", "scaled"):
+        dc = clip_diagnostics(*p, tau=tau, clip=clip)
+        torch.testing.assert_close(dc["entry/grad_cos"], d["entry/grad_cos"])
+        valid = d["kl/true"] > 1e-8
+        assert (dc["update_cos"][valid] > 1 - 1e-6).all() and (dc["loss"] >= -1e-12).all()
 
 
 def test_fully_masked_batch_is_zero_not_nan():
@@ -172,7 +179,25 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="shape"):
         divergence(torch.randn(2, 3), torch.randn(3, 3))
     with pytest.raises(ValueError, match="top_k"):
-        divergence(torch.randn(2, 3), torch.randn(2, 3), top_k=0)
+        divergence(torch.randn(2, 3), torch.randn(2, 3), top_k=-1)
+
+
+def test_release_off_switches():
+    "tau <= 0 means no clip (the release's --jsd_token_clip 0); top_k = 0 means the full vocabulary."
+    zs, zt = torch.randn(4, 9, dtype=torch.float64), torch.randn(4, 9, dtype=torch.float64)
+    for clip in ("entry", "token", "scaled"):
+        for tau in (0.0, -1.0, None):
+            torch.testing.assert_close(divergence(zs, zt, clip=clip, tau=tau), divergence(zs, zt))
+            torch.testing.assert_close(divergence_grad(zs, zt, clip=clip, tau=tau), divergence_grad(zs, zt))
+    torch.testing.assert_close(divergence(zs, zt, top_k=0), divergence(zs, zt))
+
+
+def test_entry_boundary_matches_clamp_autograd():
+    "An entry exactly at tau keeps its gradient, as torch.clamp(max=tau) (the released code) does."
+    from opsd.loss import entry_kept
+    e = torch.tensor([0.05, 0.0499, 0.0501], dtype=torch.float64, requires_grad=True)
+    e.clamp(max=0.05).sum().backward()
+    assert entry_kept(e.detach(), 0.05).tolist() == e.grad.bool().tolist() == [True, True, False]
 
 
 def test_worked_example_regression():
