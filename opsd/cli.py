@@ -9,12 +9,13 @@ from pathlib import Path
 
 import polars as pl
 
-from .train import OPSDConfig, OPSDTrainer, read_metrics, read_eval, read_config, load_model
-from .eval import extract_boxed, grade, sweep_checkpoints, summarize_eval
+from .train import OPSDConfig, OPSDTrainer, load_model
+from .runs import read_metrics, read_eval, read_config
+from .eval import grade, sweep_checkpoints, summarize_eval, eval_runs
 
 # %% auto #0
 __all__ = ['resolve_model', 'resolve_problems', 'prompt_config_for', 'grade_completion', 'config_from_args', 'cmd_train',
-           'eval_runs', 'cmd_eval', 'cmd_report', 'cmd_padding', 'demo', 'cmd_demo', 'parser', 'main']
+           'cmd_eval', 'cmd_report', 'cmd_padding', 'parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #c4fbac5c
 def resolve_model(name: str) -> tuple[str, bool]:
@@ -45,7 +46,7 @@ def prompt_config_for(is_toy: bool, overrides: dict | None = None):
 
 def grade_completion(text: str, answer: str, mode: str = "exact") -> bool:
     "Grade a completion by its last \\boxed{} answer."
-    return grade(extract_boxed(text), answer, mode=mode)
+    return grade(text, answer, mode=mode)
 
 # %% ../nbs/11_cli.ipynb #b05015dc
 def _parse_set(items) -> dict:
@@ -78,30 +79,25 @@ def cmd_train(a) -> Path:
         print(f"[opsd] interrupted at step {tr.step_done}; resume with the same command"); raise SystemExit(130)
     m = read_metrics(run)
     if tr.acc.is_main_process:
-        print(m.select("step", "loss", "true_kl", "argmax_clipped_frac", "neg_loss_frac", "sampled_acc").tail(5))
+        print(m.select("step", "loss", "kl/true", "entry/loss", "entry/argmax_clipped_frac", "update_cos", "sampled_acc", "time/rollout", "time/train").tail(5))
         print(f"[opsd] run folder: {run}")
     return run
 
 # %% ../nbs/11_cli.ipynb #972aa7d4
-def eval_runs(run_dirs, n: int = 200, k: int = 1, seeds=(0,), steps=None, data: str | None = None, sampling=None) -> pl.DataFrame:
-    "Evaluate runs' checkpoints (and their base) on held-out problems; returns the summary."
-    out = []
-    for rd in map(Path, run_dirs):
-        cfg = read_config(rd)
-        path, is_toy = resolve_model(cfg["model"])
-        problems = resolve_problems(data, is_toy, n_train=n, seed=10_000 + cfg.get("seed", 0), split="test")[:n]
-        base, tok = load_model(path, "float32" if is_toy else cfg.get("dtype", "bfloat16"))
-        pc = prompt_config_for(is_toy, cfg.get("prompt"))
-        from opsd.data import student_prompt
-        frame = sweep_checkpoints(rd, base, tok, problems, k=k, seeds=seeds, steps=steps, sampling=sampling,
-                                  grade_mode="exact" if is_toy else "math", prompt_fn=lambda t, p: student_prompt(t, p["problem"], pc))
-        out.append(frame)
-    rows = pl.concat([read_eval(rd) for rd in map(Path, run_dirs)], how="diagonal_relaxed")
-    return summarize_eval(rows)
-
 def cmd_eval(a):
-    s = eval_runs(a.runs, n=a.n, k=a.k, seeds=tuple(a.seeds), steps=a.steps, data=a.data)
-    print(s)
+    "`opsd eval`: the runs grouped by base model, each group through `opsd.eval.eval_runs` (one rollout engine per base)."
+    groups = {}
+    for rd in a.runs: groups.setdefault(read_config(rd)["model"], []).append(rd)
+    out = []
+    for model, rds in groups.items():
+        path, is_toy = resolve_model(model)
+        problems = lambda cfg: resolve_problems(a.data, is_toy, n_train=a.n, seed=10_000 + cfg.get("seed", 0), split="test")[:a.n]
+        out.append(eval_runs(rds, problems, model_path=path, k=a.k, seeds=tuple(a.seeds), steps=a.steps, backend=a.backend,
+                             max_new_tokens=a.max_new_tokens, grade_mode="exact" if is_toy else "math",
+                             prompt_cfg=lambda cfg: prompt_config_for(is_toy, cfg.get("prompt")),
+                             dtype="float32" if is_toy else None, vllm_memory=a.vllm_memory, progress=not a.quiet))
+    with pl.Config(tbl_rows=100, tbl_cols=20):
+        print(pl.concat(out, how="diagonal_relaxed"))
 
 # %% ../nbs/11_cli.ipynb #25e930d1
 def cmd_report(a):
@@ -111,7 +107,7 @@ def cmd_report(a):
 
 # %% ../nbs/11_cli.ipynb #c3869a65
 def cmd_padding(a):
-    from opsd.rollout import padding_report, format_padding_report
+    from opsd.padding import padding_report, format_padding_report
     from opsd.rollout import SamplingConfig
     path, is_toy = resolve_model(a.model)
     model, tok = load_model(path, "float32")
@@ -121,64 +117,13 @@ def cmd_padding(a):
     print(json.dumps(rep, indent=2, default=float) if a.json else format_padding_report(rep))
 
 # %% ../nbs/11_cli.ipynb #9a5b70c7
-def demo(out: str | Path = "runs/demo", # output folder (runs, report)
-         presets=("soft",), # toy bases ("soft" and/or "copy")
-         modes=("entry", "scaled", "none"), # clip modes
-         steps: int = 60, n_eval: int = 200, k: int = 1, seed: int = 0,
-         batch_size: int = 32, png: bool = True, progress: bool = True,
-         toy: dict | None = None, # ToyConfig overrides for the bases (e.g. sft_steps for a quick check)
-         **overrides) -> pl.DataFrame:
-    "Run the demo: OPSD per (toy base, clip mode), held-out evaluation, one report per base; returns the summary table."
-    from opsd.toy import build_toy_base, make_problems, toy_config
-    from opsd.eval import default_eval_sampling
-    from opsd.report import write_report, run_summary
-    out = Path(out); t0 = time.perf_counter(); runs = []
-    pc = prompt_config_for(True)
-    from opsd.data import student_prompt
-    for preset in presets:
-        path = build_toy_base(toy_config(preset, **(toy or {})), preset=preset, progress=progress)
-        train_set = make_problems(2000, seed=seed, split="train")
-        test_set = make_problems(n_eval, seed=10_000 + seed, split="test")
-        base, tok = load_model(str(path), "float32")
-        for mode in modes:
-            cfg = OPSDConfig.toy(model=f"toy:{preset}", run_dir=str(out / f"{preset}-{mode}"), name=f"{preset}-{mode}", clip=mode,
-                                 steps=steps, save_every=max(steps // 4, 1), seed=seed, padding="aligned", batch_size=batch_size,
-                                 micro_batch_size=batch_size, **overrides)
-            OPSDTrainer(cfg, train_set, model_path=str(path), grader=grade_completion, prompt_config=pc, progress=progress).fit(resume=True)
-            sweep_checkpoints(cfg.run_dir, base, tok, test_set, k=k, seeds=(seed,), grade_mode="exact",
-                              sampling=default_eval_sampling(seed, max_new_tokens=cfg.max_completion_length),
-                              prompt_fn=lambda t, p: student_prompt(t, p["problem"], pc))
-            runs.append(cfg.run_dir)
-    reports = [write_report([r for r in runs if Path(r).name.startswith(preset + "-")], out / f"report-{preset}", png=png,
-                            title=f"opsd demo, {preset} teacher: the entry clip, a direction-preserving clip and no clip")
-               for preset in presets]
-    metrics = pl.concat([read_metrics(r) for r in runs], how="diagonal_relaxed")
-    evals = pl.concat([read_eval(r) for r in runs], how="diagonal_relaxed")
-    table = run_summary(metrics, evals)
-    print(f"[opsd] demo finished in {time.perf_counter() - t0:.0f} s; reports: {', '.join(map(str, reports))}")
-    return table
-
-def cmd_demo(a):
-    kw = dict(presets=tuple(a.presets), modes=tuple(a.modes), steps=a.steps, n_eval=a.n_eval, k=a.k, seed=a.seed, png=not a.no_png)
-    if a.quick: kw.update(steps=min(a.steps, 6), n_eval=min(a.n_eval, 32), batch_size=8, toy=dict(sft_steps=a.toy_sft_steps or 100, n_eval=0))
-    elif a.toy_sft_steps: kw.update(toy=dict(sft_steps=a.toy_sft_steps))
-    table = demo(a.out, **kw)
-    with pl.Config(tbl_rows=50, tbl_cols=30, tbl_width_chars=200, fmt_str_lengths=40):
-        print(table)
-    table.write_csv(Path(a.out) / "summary.csv")
+from .demo import add_demo_args, cmd_demo  # the demo lives in opsd.demo (nbs/10b_demo.ipynb); the CLI only parses
 
 # %% ../nbs/11_cli.ipynb #3d8c7003
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opsd", description="Run, instrument and explain On-Policy Self-Distillation.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="the main job: OPSD with three clip modes on the toy world, evaluation, report")
-    d.add_argument("--out", default="runs/demo"); d.add_argument("--steps", type=int, default=60)
-    d.add_argument("--presets", nargs="+", default=["soft"], choices=["soft", "copy"], help="toy bases; add copy for the copying teacher")
-    d.add_argument("--modes", nargs="+", default=["entry", "scaled", "none"], choices=["entry", "scaled", "none", "token"])
-    d.add_argument("--n-eval", type=int, default=200, help="held-out problems"); d.add_argument("--k", type=int, default=1, help="samples per problem")
-    d.add_argument("--seed", type=int, default=0); d.add_argument("--no-png", action="store_true")
-    d.add_argument("--quick", action="store_true", help="a reduced run (bases with 100 SFT steps, 6 OPSD steps, 32 eval problems, batch 8) to check the pipeline")
-    d.add_argument("--toy-sft-steps", type=int, help="SFT steps of the toy bases (default: the presets')")
+    d = add_demo_args(sub.add_parser("demo", help="the main job: OPSD per (teacher, clip mode) over seeds on the toy world, held-out accuracy with intervals, report"))
     d.set_defaults(fn=cmd_demo)
     t = sub.add_parser("train", help="one OPSD run (resumes from its latest checkpoint)")
     t.add_argument("--config", help="YAML file of OPSDConfig fields"); t.add_argument("--preset", choices=["released", "toy"], default="released")
@@ -196,11 +141,15 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate the base and every checkpoint of runs on held-out problems")
     e.add_argument("runs", nargs="+"); e.add_argument("--n", type=int, default=200); e.add_argument("--k", type=int, default=1)
     e.add_argument("--seeds", type=int, nargs="+", default=[0]); e.add_argument("--steps", type=int, nargs="+")
-    e.add_argument("--data"); e.set_defaults(fn=cmd_eval)
+    e.add_argument("--data")
+    e.add_argument("--backend", choices=["auto", "hf", "vllm"], default="auto", help="rollout backend (auto: vLLM on a GPU where it imports)")
+    e.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="completion budget (default: the eval sampling's, 1024)")
+    e.add_argument("--vllm-memory", dest="vllm_memory", type=float, default=0.5, help="vLLM's share of GPU memory")
+    e.add_argument("--quiet", action="store_true"); e.set_defaults(fn=cmd_eval)
     r = sub.add_parser("report", help="a self-contained HTML report (and PNGs) of runs")
     r.add_argument("runs", nargs="+"); r.add_argument("--out", default="runs/report"); r.add_argument("--no-png", action="store_true")
     r.set_defaults(fn=cmd_report)
-    pd_ = sub.add_parser("padding", help="pad-gap statistics and the teacher-logit perturbation of each padding mode")
+    pd_ = sub.add_parser("padding", help="pad-gap statistics and the teacher-logit perturbation of each padding mode, under sdpa and flash-attention-2 semantics")
     pd_.add_argument("--model", default="toy:soft"); pd_.add_argument("--data"); pd_.add_argument("--n", type=int, default=16)
     pd_.add_argument("--seed", type=int, default=0); pd_.add_argument("--json", action="store_true"); pd_.set_defaults(fn=cmd_padding)
     return p

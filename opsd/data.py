@@ -208,22 +208,32 @@ def build_prompts(tokenizer, records:Iterable[dict], cfg:PromptConfig|None=None)
                 teacher=[teacher_prompt(tokenizer, r["problem"], r["solution"], cfg) for r in records])
 
 # %% ../nbs/03_data.ipynb #cc6cb049
-def last_boxed(text:str)->str|None:
-    "Content of the last `\\boxed{...}` in `text` (nested braces allowed), or None."
-    i = text.rfind("\\boxed")
-    while i != -1:
-        j = i + len("\\boxed")
-        while j < len(text) and text[j] == " ": j += 1
-        if j < len(text) and text[j] == "{":
-            depth, k = 0, j
-            while k < len(text):
-                if text[k] == "{": depth += 1
-                elif text[k] == "}":
-                    depth -= 1
-                    if depth == 0: return text[j+1:k]
-                k += 1
-        i = text.rfind("\\boxed", 0, i)
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BOX_BARE = re.compile(r"\\boxed\s+([^\s${}]+)")
+
+def _match_brace(text:str, start:int)->int|None:
+    "Index just past the brace closing the `{` at `text[start-1]`, or None when unbalanced."
+    depth, i = 1, start
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\": i += 2; continue  # skip the escaped character (\{ \} \\)
+        if ch == "{": depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0: return i + 1
+        i += 1
     return None
+
+def last_boxed(text:str|None)->str|None:
+    "Contents of the last `\\boxed{...}` (or `\\fbox{...}`, `\\boxed x`) in `text`, stripped; None if absent or unclosed."
+    if not text: return None
+    opens = [(m.start(), m.end()) for m in _BOX_OPEN.finditer(text)]
+    bares = [(m.start(), m.group(1)) for m in _BOX_BARE.finditer(text)]
+    last_open, last_bare = (opens[-1] if opens else None), (bares[-1] if bares else None)
+    if last_bare is not None and (last_open is None or last_bare[0] > last_open[0]): return last_bare[1].strip()
+    if last_open is None: return None
+    end = _match_brace(text, last_open[1])
+    return None if end is None else text[last_open[1]:end - 1].strip()
 
 # %% ../nbs/03_data.ipynb #79c78498
 class Problems(list):

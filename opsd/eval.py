@@ -5,11 +5,11 @@
 # %% ../nbs/07_eval.ipynb #76ab75d3
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
 import threading
+import time
 from collections import Counter
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -18,50 +18,13 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import polars as pl
 
+from .data import last_boxed
+from .runs import RunDir, jsonl_rows, list_checkpoints
+
 # %% auto #0
-__all__ = ['EVAL_COLUMNS', 'extract_boxed', 'normalize_answer', 'grade', 'avg_at_k', 'pass_at_k', 'majority_vote', 'seed_summary',
-           'default_eval_sampling', 'evaluate', 'summarize_eval', 'seed_table', 'list_checkpoints', 'append_eval_rows',
-           'sweep_checkpoints']
-
-# %% ../nbs/07_eval.ipynb #7fe33e33
-_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_BOX_BARE = re.compile(r"\\boxed\s+([^\s${}]+)")
-
-
-def _match_brace(text: str, start: int) -> int | None:
-    "Index just past the brace closing the `{` at `text[start-1]`, or None when unbalanced."
-    depth, i = 1, start
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2  # skip the escaped character (\{ \} \\)
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
-
-
-def extract_boxed(text: str | None) -> str | None:
-    "Contents of the last `\\boxed{...}` (or `\\fbox{...}`, `\\boxed x`) in `text`; None if absent or unclosed."
-    if not text:
-        return None
-    opens = [(m.start(), m.end()) for m in _BOX_OPEN.finditer(text)]
-    bares = [(m.start(), m.group(1)) for m in _BOX_BARE.finditer(text)]
-    last_open = opens[-1] if opens else None
-    last_bare = bares[-1] if bares else None
-    if last_bare is not None and (last_open is None or last_bare[0] > last_open[0]):
-        return last_bare[1].strip()
-    if last_open is None:
-        return None
-    end = _match_brace(text, last_open[1])
-    if end is None:
-        return None
-    return text[last_open[1] : end - 1].strip()
+__all__ = ['GRADE_MODES', 'EVAL_COLUMNS', 'EVAL_SCHEMA', 'normalize_answer', 'answer_correct', 'grade', 'avg_at_k', 'pass_at_k',
+           'majority_vote', 'seed_summary', 'default_eval_sampling', 'eval_prompt_ids', 'eval_backend', 'evaluate',
+           'summarize_eval', 'seed_table', 'sweep_checkpoints', 'eval_runs']
 
 # %% ../nbs/07_eval.ipynb #b63829f9
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
@@ -99,6 +62,7 @@ def normalize_answer(s: str | None) -> str | None:
 
 # %% ../nbs/07_eval.ipynb #932a3d46
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeout/threading warnings are handled here
+GRADE_MODES = ("math", "exact")
 
 
 def _math_equal(pred: str, gold: str, timeout: int | None) -> bool:
@@ -118,15 +82,15 @@ def _math_equal(pred: str, gold: str, timeout: int | None) -> bool:
         return False
 
 
-def grade(
-    pred: str | None,  # the model's answer (e.g. from `extract_boxed`); None = no answer
+def answer_correct(
+    pred: str | None,  # an extracted answer (e.g. `last_boxed(completion)`); None = no answer
     gold: str | int | float,  # the reference answer
     mode: str = "math",  # "math" (math-verify + string fallback) or "exact" (normalised strings)
     timeout: int | None = 5,  # seconds per math-verify parse/compare (main thread only)
 ) -> bool:
-    "Whether `pred` is a correct answer for `gold`."
-    if mode not in ("math", "exact"):
-        raise ValueError(f"grade: mode must be 'math' or 'exact', got {mode!r}")
+    "Whether the extracted answer `pred` is correct for `gold` (the comparison inside `grade`)."
+    if mode not in GRADE_MODES:
+        raise ValueError(f"grade: mode must be one of {GRADE_MODES}, got {mode!r}")
     if pred is None or gold is None:
         return False
     pred, gold = str(pred), str(gold)
@@ -136,6 +100,16 @@ def grade(
     if mode == "exact" or not np_:
         return False
     return _math_equal(pred, gold, timeout)
+
+
+def grade(
+    completion: str | None,  # the model's completion text; its last \boxed{} is the answer
+    answer: str | int | float,  # the reference answer
+    mode: str = "math",  # "math" (math-verify + string fallback) or "exact" (the toy: normalised strings)
+    timeout: int | None = 5,  # seconds per math-verify parse/compare (main thread only)
+) -> bool:
+    "Whether a completion's last boxed answer is correct: the one grader of the package."
+    return answer_correct(last_boxed(completion), answer, mode, timeout)
 
 # %% ../nbs/07_eval.ipynb #e76d7b2b
 def avg_at_k(
@@ -203,6 +177,8 @@ def seed_summary(
 
 # %% ../nbs/07_eval.ipynb #f9d35bb4
 EVAL_COLUMNS = ["problem_id", "sample", "pred", "answer", "correct", "completion_len", "finish_reason"]
+EVAL_SCHEMA = dict(problem_id=pl.Utf8, sample=pl.Int64, pred=pl.Utf8, answer=pl.Utf8, correct=pl.Boolean,
+                   completion_len=pl.Int64, finish_reason=pl.Utf8)
 
 
 def _problem_id(problem: dict, i: int):
@@ -223,8 +199,39 @@ def default_eval_sampling(seed: int = 0, max_new_tokens: int | None = None):
     return SamplingConfig(**kw)
 
 
+def _check_problems(problems):
+    for i, p in enumerate(problems):
+        for field in ("problem", "answer"):
+            if field not in p:
+                raise ValueError(f"evaluate: problem {i} has no {field!r} field")
+
+
+def eval_prompt_ids(tokenizer, problems, prompt_fn: Callable | None = None, prompt_cfg=None) -> list[list[int]]:
+    "Student prompt ids of each problem (`prompt_fn(tokenizer, problem) -> text`, default `opsd.data.student_prompt`)."
+    from opsd.data import prompt_ids, student_prompt
+
+    if prompt_fn is None:
+        prompt_fn = lambda tok, p: student_prompt(tok, p["problem"], prompt_cfg)
+    return [prompt_ids(tokenizer, prompt_fn(tokenizer, p)) for p in problems]
+
+
+def eval_backend(backend, model, tokenizer, model_path=None, max_model_len: int | None = None, seed: int = 0,
+                 vllm_memory: float = 0.5, batch_size: int = 64, progress: bool = False):
+    "A rollout backend for evaluation: `backend` itself when it has `.generate`, else `make_rollout(backend, ...)`."
+    if hasattr(backend, "generate"):
+        return backend
+    from opsd.rollout import make_rollout
+
+    t0 = time.perf_counter()
+    ro = make_rollout(backend, model, tokenizer, model_path, max_model_len=max_model_len, gpu_memory_utilization=vllm_memory,
+                      sleep=False, seed=seed, progress=progress, batch_size=batch_size)
+    if progress:
+        print(f"[opsd eval] {type(ro).__name__} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    return ro
+
+
 def evaluate(
-    model,  # a causal LM (ignored when `backend` is given)
+    model,  # a causal LM (HF generates with it; vLLM is synced from it when `backend` is a name)
     tokenizer,  # its tokenizer (prompts, decoding)
     problems: Sequence[dict],  # records with "problem" and "answer" (optional "id")
     k: int = 1,  # samples per problem
@@ -232,47 +239,46 @@ def evaluate(
     prompt_fn: Callable | None = None,  # (tokenizer, problem record) -> prompt text; None = `opsd.data.student_prompt`
     prompt_cfg=None,  # `opsd.data.PromptConfig` for the default prompt
     grade_mode: str = "exact",  # "exact" (toy) or "math" (math-verify)
-    batch_size: int = 64,  # prompts per `generate` call
+    batch_size: int | None = None,  # prompts per `generate` call; None: 64 on HF, all at once on vLLM
     seed: int = 0,  # batch b samples with seed `seed + b` (replaces `sampling.seed`)
-    backend=None,  # rollout backend with `.generate(prompt_ids, sampling)`; None = `HFRollout(model, tokenizer)`
-    extract_fn: Callable = extract_boxed,  # completion text -> answer string or None
+    backend="auto",  # 'auto' | 'hf' | 'vllm', or a rollout object with `.generate(prompt_ids, sampling)`
+    max_new_tokens: int | None = None,  # completion budget (replaces `sampling.max_new_tokens`)
+    extract_fn: Callable = last_boxed,  # completion text -> answer string or None
     timeout: int | None = 5,  # math-verify timeout (seconds)
+    progress: bool = False,  # a tqdm bar over the samples
+    model_path=None,  # local base-model folder for a vLLM engine built here
+    vllm_memory: float = 0.5,  # vLLM's GPU memory share for an engine built here
 ) -> pl.DataFrame:
     "Sample `k` completions per problem and grade them: one row per (problem, sample)."
     import dataclasses
+    from tqdm.auto import tqdm
 
-    if k < 1 or batch_size < 1:
+    if k < 1 or (batch_size is not None and batch_size < 1):
         raise ValueError(f"evaluate: need k >= 1 and batch_size >= 1, got k={k}, batch_size={batch_size}")
-    for i, p in enumerate(problems):
-        for field in ("problem", "answer"):
-            if field not in p:
-                raise ValueError(f"evaluate: problem {i} has no {field!r} field")
-    from opsd.data import prompt_ids, student_prompt
-
-    if prompt_fn is None:
-        prompt_fn = lambda tok, p: student_prompt(tok, p["problem"], prompt_cfg)
-    if backend is None:
-        from opsd.rollout import HFRollout
-
-        backend = HFRollout(model, tokenizer, batch_size=batch_size, progress=False)
+    _check_problems(problems)
     sampling = default_eval_sampling(seed) if sampling is None else sampling
+    if max_new_tokens is not None:
+        sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
+    ids = eval_prompt_ids(tokenizer, problems, prompt_fn, prompt_cfg)
+    ro = eval_backend(backend, model, tokenizer, model_path, max(map(len, ids), default=0) + sampling.max_new_tokens,
+                      seed, vllm_memory, batch_size or 64, progress)
+    is_hf = type(ro).__name__ == "HFRollout"
     jobs = [(i, j) for i in range(len(problems)) for j in range(k)]
-    ids = [prompt_ids(tokenizer, prompt_fn(tokenizer, p)) for p in problems]
-    rows = []
-    for b, start in enumerate(range(0, len(jobs), batch_size)):
-        chunk = jobs[start : start + batch_size]
+    bs = batch_size or (64 if is_hf else max(len(jobs), 1))
+    rows, bar = [], tqdm(total=len(jobs), desc="eval", unit="sample", disable=not progress, leave=False)
+    for b, start in enumerate(range(0, len(jobs), bs)):
+        chunk = jobs[start : start + bs]
         s = dataclasses.replace(sampling, seed=seed + b)  # `seed` wins over sampling.seed
-        out = backend.generate([ids[i] for i, _ in chunk], s)
+        out = ro.generate([ids[i] for i, _ in chunk], s)
         for (i, j), comp, reason in zip(chunk, out.completion_ids, out.finish_reason):
-            text = tokenizer.decode(comp, skip_special_tokens=True)
-            pred = extract_fn(text)
+            pred = extract_fn(tokenizer.decode(comp, skip_special_tokens=True))
             gold = str(problems[i]["answer"])
             rows.append(dict(problem_id=_problem_id(problems[i], i), sample=j, pred=pred, answer=gold,
-                             correct=grade(pred, gold, mode=grade_mode, timeout=timeout),
+                             correct=answer_correct(pred, gold, mode=grade_mode, timeout=timeout),
                              completion_len=len(comp), finish_reason=reason))
-    schema = dict(problem_id=pl.Utf8, sample=pl.Int64, pred=pl.Utf8, answer=pl.Utf8, correct=pl.Boolean,
-                  completion_len=pl.Int64, finish_reason=pl.Utf8)
-    return pl.DataFrame(rows, schema=schema)
+        bar.update(len(chunk))
+    bar.close()
+    return pl.DataFrame(rows, schema=EVAL_SCHEMA)
 
 # %% ../nbs/07_eval.ipynb #29ee4473
 def _majority_correct(preds: list, correct: list) -> bool:
@@ -339,71 +345,11 @@ def seed_table(
     return pl.DataFrame(rows).sort(by) if by else pl.DataFrame(rows)
 
 # %% ../nbs/07_eval.ipynb #db0938a0
-def list_checkpoints(
-    run_dir: str | Path,  # a run folder with checkpoints/step-N/
-) -> list[tuple[int, Path]]:
-    "(step, adapter folder) of each checkpoint of a run, by step."
-    root = Path(run_dir) / "checkpoints"
-    out = []
-    if not root.is_dir():
-        return out
-    for d in root.iterdir():
-        m = re.fullmatch(r"step-(\d+)", d.name)
-        if not (m and d.is_dir()):
-            continue
-        if (d / "adapter_config.json").exists():
-            out.append((int(m.group(1)), d))
-            continue
-        found = sorted(p.parent for p in d.glob("*/adapter_config.json"))
-        if found:
-            out.append((int(m.group(1)), found[0]))
-    return sorted(out)
-
-
-def _run_name(run_dir: Path) -> str:
-    "The run's name from its config.json, else the folder name."
-    cfg = run_dir / "config.json"
-    if cfg.exists():
-        try:
-            c = json.loads(cfg.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg}: not valid JSON ({e})") from e
-        name = c.get("name") or c.get("run") if isinstance(c, dict) else None
-        if name:
-            return str(name)
-    return run_dir.name
-
-
-def _done_keys(path: Path) -> set:
-    "(step, seed, split) triples already in an eval.jsonl."
-    done = set()
-    if not path.exists():
-        return done
-    with open(path) as f:
-        for ln, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from an interrupted write; its key is redone
-            done.add((r["step"], r["seed"], r["split"]))
-    return done
-
-
-def append_eval_rows(
-    path: str | Path,  # the run's eval.jsonl
-    frame: pl.DataFrame,  # rows from `evaluate`
-    **fields,  # constant columns (run, step, seed, split)
-) -> None:
-    "Append sample rows (plus constant fields) to an eval.jsonl, one JSON object per line."
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        for r in frame.iter_rows(named=True):
-            f.write(json.dumps({**fields, **r}) + "\n")
-        f.flush()
+def _done_keys(run: RunDir) -> set:
+    "(step, seed, split) triples already in a run's eval.jsonl (a torn last line is skipped: its key is redone)."
+    if not run.eval_path.exists():
+        return set()
+    return {(r["step"], r["seed"], r["split"]) for r in jsonl_rows(run.eval_path)}
 
 
 def sweep_checkpoints(
@@ -417,39 +363,113 @@ def sweep_checkpoints(
     steps: Sequence[int] | None = None,  # checkpoint steps to evaluate; None = all
     include_base: bool = True,  # also evaluate the base model as step 0
     skip_done: bool = True,  # skip (step, seed, split) already in eval.jsonl
+    backend="auto",  # 'auto' | 'hf' | 'vllm', or a rollout object (one engine serves every checkpoint)
+    max_new_tokens: int | None = None,  # completion budget
+    model_path=None,  # local base-model folder (vLLM; default: the base model's config._name_or_path)
+    vllm_memory: float = 0.5,  # vLLM's GPU memory share
+    progress: bool = True,  # bars and one timing line per (step, seed)
     **eval_kw,  # passed to `evaluate` (sampling, grade_mode, batch_size, prompt_fn, ...)
 ) -> pl.DataFrame:
-    "Evaluate the base model and each checkpoint of a run, appending rows to run_dir/eval.jsonl."
+    "Evaluate the base model and each checkpoint of a run with one rollout backend, appending rows to run_dir/eval.jsonl."
     from peft import PeftModel
+    from tqdm.auto import tqdm
 
-    run_dir = Path(run_dir)
-    name, path = _run_name(run_dir), run_dir / "eval.jsonl"
-    ckpts = list_checkpoints(run_dir)
+    run = RunDir(run_dir)
+    name = run.name
+    ckpts = list_checkpoints(run.path)
     if steps is not None:
         have = {s for s, _ in ckpts}
         missing = sorted(set(steps) - have - ({0} if include_base else set()))
         if missing:
-            raise ValueError(f"sweep_checkpoints: no checkpoint for steps {missing} in {run_dir / 'checkpoints'}")
+            raise ValueError(f"sweep_checkpoints: no checkpoint for steps {missing} in {run.checkpoints_dir}")
         ckpts = [(s, p) for s, p in ckpts if s in set(steps)]
     targets = ([(0, None)] if include_base else []) + ckpts
-    done = _done_keys(path) if skip_done else set()
+    done = _done_keys(run) if skip_done else set()
+    targets = [(s, a, [sd for sd in seeds if (s, sd, split) not in done]) for s, a in targets]
+    targets = [t for t in targets if t[2]]
+    if not targets:
+        return pl.DataFrame()
+    _check_problems(problems)
+    sampling = eval_kw.pop("sampling", None) or default_eval_sampling(0)
+    budget = max_new_tokens or sampling.max_new_tokens
+    ids = eval_prompt_ids(tokenizer, problems, eval_kw.get("prompt_fn"), eval_kw.get("prompt_cfg"))
+    ro = eval_backend(backend, base_model, tokenizer, model_path, max(map(len, ids)) + budget, seeds[0], vllm_memory,
+                      eval_kw.get("batch_size") or 64, progress)
     frames = []
-    for step, adapter in targets:
-        todo = [s for s in seeds if (step, s, split) not in done]
-        if not todo:
-            continue
+    for step, adapter, todo in tqdm(targets, desc=f"{name} checkpoints", unit="ckpt", disable=not progress):
+        t0 = time.perf_counter()
         model = base_model if adapter is None else PeftModel.from_pretrained(base_model, str(adapter))
         model.eval()
-        backend = eval_kw.get("backend")
-        if backend is not None and hasattr(backend, "sync_weights"):
-            backend.sync_weights(model)  # an external backend (vLLM) must see this step's weights
         try:
+            ro.sync_weights(model)  # HF: generate with this model; vLLM: load its merged weights into the one engine
+            t_load = time.perf_counter() - t0
             for seed in todo:
-                fr = evaluate(model, tokenizer, problems, k=k, seed=seed, **eval_kw)
-                append_eval_rows(path, fr, run=name, step=step, seed=seed, split=split)
+                t1 = time.perf_counter()
+                fr = evaluate(model, tokenizer, problems, k=k, seed=seed, backend=ro, sampling=sampling,
+                              max_new_tokens=max_new_tokens, progress=progress, **eval_kw)
+                secs = time.perf_counter() - t1
+                run.append_eval([{"run": name, "step": step, "seed": seed, "split": split, **r} for r in fr.iter_rows(named=True)])
                 frames.append(fr.select(pl.lit(name).alias("run"), pl.lit(step).alias("step"),
                                         pl.lit(seed).alias("seed"), pl.lit(split).alias("split"), pl.all()))
+                if progress:
+                    ntok = int(fr["completion_len"].sum())
+                    print(f"[opsd eval] {name} step {step} seed {seed}: {fr.height} samples, {ntok} tokens in {secs:.1f} s "
+                          f"({ntok / secs:,.0f} tok/s; weights {t_load:.2f} s), avg@{k} {fr['correct'].mean():.3f}", flush=True)
         finally:
             if adapter is not None:
                 base_model = model.unload()
-    return pl.concat(frames) if frames else pl.DataFrame()
+    return pl.concat(frames)
+
+
+def eval_runs(
+    run_dirs: Sequence,  # run folders trained from one base model
+    problems,  # records, or a function (run config dict) -> records
+    model_path=None,  # the base model folder (default: the first run's config "model")
+    k: int = 1,  # samples per problem
+    seeds: Sequence[int] = (0,),
+    steps: Sequence[int] | None = None,  # checkpoint steps (None: all)
+    backend="auto",  # 'auto' | 'hf' | 'vllm': one engine for every run and checkpoint
+    max_new_tokens: int | None = None,
+    grade_mode: str = "math",
+    prompt_cfg=None,  # opsd.data.PromptConfig, or a function (run config) -> one (default: the config's "prompt" overrides)
+    dtype: str | None = None,  # base-model dtype (default: the run's config dtype)
+    vllm_memory: float = 0.5,
+    progress: bool = True,
+    **eval_kw,  # passed on to `sweep_checkpoints` / `evaluate` (sampling, batch_size, ...)
+) -> pl.DataFrame:
+    "Evaluate runs' checkpoints and their base on held-out problems (rows into each eval.jsonl); returns the summary."
+    import torch
+
+    from opsd.data import PromptConfig
+    from opsd.runs import read_eval
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    runs = [RunDir(rd) for rd in run_dirs]
+    if not runs:
+        raise ValueError("eval_runs: no run folders")
+    cfgs = [r.read_config() for r in runs]
+    path = str(model_path or cfgs[0].get("model"))
+    others = {c.get("model") for c in cfgs} - {cfgs[0].get("model")}
+    if model_path is None and others:
+        raise ValueError(f"eval_runs: the runs use different base models ({sorted(map(str, others | {cfgs[0].get('model')}))}): "
+                         "evaluate them in separate calls")
+    from opsd.rollout import resolve_backend
+
+    name = backend if isinstance(backend, str) else None
+    dev = "cuda" if name is not None and resolve_backend(name) == "vllm" else None
+    tok = AutoTokenizer.from_pretrained(path)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype or cfgs[0].get("dtype", "bfloat16")))
+    base = (base.to(dev) if dev else base).eval()
+    ro = backend
+    for r, cfg in zip(runs, cfgs):
+        probs = problems(cfg) if callable(problems) else problems
+        pc = prompt_cfg(cfg) if callable(prompt_cfg) else (prompt_cfg or PromptConfig(**(cfg.get("prompt") or {})))
+        if isinstance(ro, str):
+            ids = eval_prompt_ids(tok, probs, None, pc)
+            budget = max_new_tokens or (eval_kw.get("sampling") or default_eval_sampling()).max_new_tokens
+            ro = eval_backend(ro, base, tok, path, max(map(len, ids)) + budget, seeds[0], vllm_memory,
+                              eval_kw.get("batch_size") or 64, progress)
+        sweep_checkpoints(r.path, base, tok, probs, k=k, seeds=seeds, steps=steps, backend=ro, max_new_tokens=max_new_tokens,
+                          progress=progress, grade_mode=grade_mode, prompt_cfg=pc, **eval_kw)
+    rows = pl.concat([read_eval(r.path) for r in runs], how="diagonal_relaxed")
+    return summarize_eval(rows)

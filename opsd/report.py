@@ -25,7 +25,7 @@ __all__ = ['eval_summary', 'run_summary', 'report_figures', 'find_chrome', 'writ
 
 # %% ../nbs/10_report.ipynb #997c2d22
 _CONFIG_KEYS = ("clip", "tau", "beta")
-_TRACKED = (("true_kl", "true_kl"), ("loss", "loss"), ("argmax_clipped_frac", "argmax_clipped"))
+_TRACKED = (("kl/true", "kl_true"), ("loss", "loss"), ("entry/argmax_clipped_frac", "entry_argmax_clipped"))
 
 
 def eval_summary(
@@ -89,33 +89,44 @@ def _has(frame: pl.DataFrame | None, col: str) -> bool:
 def report_figures(
     metrics: pl.DataFrame,  # metrics log of all runs
     evals: pl.DataFrame | None = None,  # eval rows
-    positions: pl.DataFrame | None = None,  # per-position samples (with a run column for several runs)
+    positions: pl.DataFrame | None = None,  # per-position samples (with run or clip columns for several runs)
     show_replicates: bool = False,
 ) -> dict[str, tuple[str, go.Figure]]:
     "The report's figures as name -> (heading, figure), for the data present."
     figs = {}
-    if _has(metrics, "true_kl"):
-        figs["kl_drift"] = ("True KL(t‖s) over training", plots.kl_drift(metrics, show_replicates=show_replicates))
-    if _has(metrics, "loss"):
-        figs["loss_sign"] = ("Loss and its sign", plots.loss_sign(metrics, show_replicates=show_replicates))
-    if _has(metrics, "argmax_clipped_frac"):
-        figs["argmax_clipped"] = ("Teacher argmax clipped", plots.argmax_clipped(metrics, show_replicates=show_replicates))
+    sr = show_replicates
+    if _has(metrics, "kl/true"):
+        figs["kl_drift"] = ("True KL(t‖s) over training", plots.kl_drift(metrics, show_replicates=sr))
+    if _has(metrics, "loss") and "clip" in metrics.columns:
+        figs["loss_by_clip"] = ("Each run's own loss (own axis per clip mode)", plots.loss_by_clip(metrics, show_replicates=sr))
+    if _has(metrics, "entry/loss"):
+        figs["entry_loss_sign"] = ("The released entry-clipped loss on every run's logits", plots.entry_loss_sign(metrics, show_replicates=sr))
+    if _has(metrics, "entry/argmax_clipped_frac"):
+        figs["argmax_clipped"] = ("Teacher argmax clipped by the entry clip", plots.argmax_clipped(metrics, show_replicates=sr))
         if "tau" in metrics.columns and metrics["tau"].drop_nulls().n_unique() > 1:
             last = metrics.sort("step").group_by("run", maintain_order=True).last()
             figs["argmax_clipped_vs_tau"] = ("Clipping against τ (last step of each run)",
                                              plots.argmax_clipped_vs_tau(last, by="clip" if "clip" in last.columns else None))
-    if _has(metrics, "grad_cos"):
-        figs["grad_cos"] = ("Gradient direction", plots.grad_cos(metrics, show_replicates=show_replicates))
+    if _has(metrics, "update_cos") or _has(metrics, "entry/grad_cos"):
+        figs["grad_cos"] = ("Gradient direction", plots.grad_cos(metrics, show_replicates=sr))
     if _has(metrics, "sampled_acc"):
         figs["sampled_acc"] = ("Accuracy of the rollout batch", plots.over_steps(
             metrics, "sampled_acc", title="Accuracy of the sampled rollouts (training batch)",
-            yaxis="share of rollouts correct", show_replicates=show_replicates, percent=True))
-    if positions is not None and positions.height and _has(positions, "true_kl"):
-        groups = positions.group_by(["run"], maintain_order=True) if "run" in positions.columns else [(("all",), positions)]
-        for (run,), p in groups:
-            fig = plots.clipped_mass_vs_divergence(p)
-            fig.update_layout(title=f"{run}: {fig.layout.title.text}")
-            figs[f"clipped_mass_{run}"] = (f"Clipped teacher mass against divergence ({run})", fig)
+            yaxis="share of rollouts correct", show_replicates=sr, percent=True))
+    if positions is not None and positions.height and _has(positions, "kl/true"):
+        if "run" in positions.columns and "clip" in metrics.columns:  # the clip of each sample's run (from the metrics log)
+            clips = metrics.select("run", pl.col("clip").alias("_clip")).unique(subset="run")
+            positions = positions.join(clips, on="run", how="left")
+            positions = positions.with_columns((pl.coalesce("clip", "_clip") if "clip" in positions.columns else pl.col("_clip")).alias("clip")).drop("_clip")
+        key = "clip" if "clip" in positions.columns else "run" if "run" in positions.columns else None
+        groups = positions.group_by([key], maintain_order=True) if key else [(("all",), positions)]
+        for (name,), p in groups:
+            if _has(p, "entry/clipped_teacher_mass"):
+                fig = plots.clipped_mass_vs_divergence(p)
+                fig.update_layout(title=f"{name}: {fig.layout.title.text}")
+                figs[f"clipped_mass_{name}"] = (f"Clipped teacher mass against divergence ({key} {name})", fig)
+        if _has(positions, "entry/grad_cos"):
+            figs["grad_cos_by_band"] = ("Entry gradient cosine by true-KL band", plots.by_kl_band(positions, "entry/grad_cos"))
     es = eval_summary(evals)
     if es is not None:
         if "run" in es.columns and "clip" in metrics.columns:
@@ -125,6 +136,8 @@ def report_figures(
         for (split,), e in sorted(splits, key=lambda t: str(t[0][0])):
             name = "accuracy" if split is None else f"accuracy_{split}"
             title = "Held-out accuracy over checkpoints" + ("" if split is None else f" ({split})")
+            # one value per (run, step): the mean over evaluation seeds, so that the band is over training seeds
+            e = e.group_by([c for c in ("run", "clip", "step") if c in e.columns]).agg(pl.col("avg_at_k").mean())
             figs[name] = (title, plots.accuracy(e, metric="avg_at_k", title=title + ": avg@k"))
     return figs
 
@@ -228,6 +241,20 @@ def _table_html(table: pl.DataFrame) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
+def _extra_tables(tables: dict | None) -> str:
+    "HTML for the caller's extra tables: a frame as a table, text as a preformatted block."
+    out = []
+    for heading, t in (tables or {}).items():
+        out.append(f"<h2>{html.escape(str(heading))}</h2>")
+        if isinstance(t, pl.DataFrame):
+            head = "".join(f"<th>{html.escape(c)}</th>" for c in t.columns)
+            body = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in r) + "</tr>" for r in t.iter_rows())
+            out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        else:
+            out.append(f"<pre>{html.escape(str(t))}</pre>")
+    return "\n".join(out)
+
+
 def report_from_frames(
     metrics: pl.DataFrame,  # metrics log of all runs (contract columns of opsd.train)
     evals: pl.DataFrame | None = None,  # eval rows of the runs
@@ -237,6 +264,7 @@ def report_from_frames(
     title: str = "OPSD report",
     png: bool = True,  # also write figures/<name>.png through kaleido
     show_replicates: bool = False,
+    tables: dict | None = None,  # heading -> polars frame or preformatted text, shown above the per-run table (e.g. seed summaries)
 ) -> Path:
     "Write a self-contained HTML report (plotly.js inlined once) and PNGs of its figures; returns index.html."
     out_dir = Path(out_dir)
@@ -266,6 +294,7 @@ def report_from_frames(
 <h1>{html.escape(title)}</h1>
 <p class="sub">{table.height} run(s): {runs}. Written {stamp} by opsd.report from the runs' saved metrics and eval rows.</p>
 {warn}
+{_extra_tables(tables)}
 <h2>Summary</h2>
 <p>First and last logged optimizer step of each run (raw values, not smoothed); accuracy is avg@k on held-out problems, mean over evaluation seeds.</p>
 {_table_html(table)}
@@ -285,7 +314,7 @@ def load_run(
     run_dir: str | Path,  # a run folder written by opsd.train
 ) -> tuple[pl.DataFrame, pl.DataFrame | None, pl.DataFrame | None, dict]:
     "(metrics, eval rows or None, positions or None, config) of one run folder."
-    from opsd.train import read_config, read_eval, read_metrics, read_positions
+    from opsd.runs import read_config, read_eval, read_metrics, read_positions
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -324,6 +353,7 @@ def write_report(
     title: str = "OPSD report",
     png: bool = True,
     show_replicates: bool = False,
+    tables: dict | None = None,  # extra tables (heading -> frame or text), e.g. the demo's summary over seeds
 ) -> Path:
     "Read run folders and write their HTML report with PNGs; returns the path of index.html."
     if isinstance(run_dirs, (str, Path)):
@@ -334,4 +364,4 @@ def write_report(
     metrics = _concat([m for m, _, _, _ in loaded])
     configs = {m["run"][0]: c for m, _, _, c in loaded}
     return report_from_frames(metrics, _concat([e for _, e, _, _ in loaded]), _concat([p for _, _, p, _ in loaded]),
-                              configs, out_dir, title=title, png=png, show_replicates=show_replicates)
+                              configs, out_dir, title=title, png=png, show_replicates=show_replicates, tables=tables)

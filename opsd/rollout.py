@@ -4,17 +4,18 @@
 
 # %% ../nbs/05_rollout.ipynb #d81cd9e3
 from __future__ import annotations
-import math, os, random, time
+import importlib.util, math, os, random, time, warnings
+from pathlib import Path
 from dataclasses import dataclass, asdict, field
 from typing import Iterable, Sequence
 import torch
-from .collate import as_ids, eos_set, trim_at_eos, pad_eos_ids, padding_perturbation, gap_perturbation, pad_gap_stats
+from .collate import as_ids, eos_set, trim_at_eos, pad_eos_ids, left_pad
 from .loss import sampled_token_logprobs
 from .data import student_prompt_ids, teacher_prompt_ids
 
 # %% auto #0
-__all__ = ['RELEASED_PADDING', 'SamplingConfig', 'Rollout', 'finish_rows', 'left_pad', 'HFRollout', 'merged_state_dict',
-           'vllm_sampling_kwargs', 'require_vllm', 'VLLMRollout', 'padding_report', 'format_padding_report']
+__all__ = ['VLLM_FIX', 'ROLLOUT_BACKENDS', 'SamplingConfig', 'Rollout', 'finish_rows', 'HFRollout', 'merged_state_dict',
+           'vllm_sampling_kwargs', 'vllm_env', 'require_vllm', 'VLLMRollout', 'resolve_backend', 'make_rollout']
 
 # %% ../nbs/05_rollout.ipynb #cdfad322
 @dataclass
@@ -79,17 +80,6 @@ def _chunk_seeds(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(int(seed))
     return torch.randint(0, 2**62, (n,), generator=g).tolist()
 
-def left_pad(prompts: Sequence[Sequence[int]], # rows of prompt ids
-             pad_id: int, # pad token id
-             multiple: int = 1, # round the width up to a multiple of this
-            ) -> tuple[torch.Tensor, torch.Tensor]: # (B, P) ids, (B, P) attention mask
-    "Left-pad prompt rows into a batch."
-    P = max(len(p) for p in prompts)
-    P = -(-P // multiple) * multiple
-    ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long)
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
-    return ids, mask
-
 class HFRollout:
     "Sample completions with `model.generate` on left-padded prompt batches."
     def __init__(self, model, # causal LM, possibly peft-wrapped
@@ -114,6 +104,12 @@ class HFRollout:
     def sync_weights(self, model=None):
         "Nothing to copy: generation uses the training model itself (optionally replace it)."
         if model is not None: self.model = model
+
+    def sleep(self, level: int | None = None):
+        "Nothing to free: the model is the training model (same interface as `VLLMRollout`)."
+
+    def wake_up(self):
+        "Nothing to reallocate."
 
     def _gen_config(self, sampling: SamplingConfig, want_lp: bool, fast: bool):
         from transformers import GenerationConfig
@@ -223,62 +219,113 @@ def _vllm_model(llm):
 def _rpc_load_weights(worker, weights):  # runs on a vLLM worker
     worker.model_runner.model.load_weights(weights=weights)
 
+VLLM_FIX = ("install vLLM on a CUDA machine (vLLM 0.24.0 matches torch 2.11; see tutorials/gpu_qwen3 for carrying the "
+            "wheels to an offline GPU) or use rollout='hf' (rollout='auto' picks vLLM only when it works)")
+
+def vllm_env() -> dict:
+    "Set the environment vLLM needs here (before the engine starts); returns what was set."
+    out = {}
+    try:
+        import flashinfer  # noqa: F401  (vLLM's default top-k/top-p sampler)
+    except Exception:
+        if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ: os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = out["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    if "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:  # the engine core in this process: weight sync by reference
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = out["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return out
+
 def require_vllm():
-    "Import vllm or fail with an explanation."
+    "Import vllm on a CUDA machine, or fail with an error that names the fix."
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"rollout 'vllm' needs a CUDA GPU and torch.cuda.is_available() is False here: {VLLM_FIX}")
     try:
         import vllm
-        return vllm
     except ImportError as e:
-        raise ImportError("VLLMRollout needs vLLM on a CUDA machine (`pip install vllm` with its own torch pins; "
-                          "see the GPU tutorial). Use HFRollout on CPU.") from e
+        raise ImportError(f"rollout 'vllm' needs the vllm package, which is not importable ({e}): {VLLM_FIX}") from e
+    except Exception as e:  # e.g. a vLLM built for another torch
+        raise RuntimeError(f"vllm is installed but fails to import ({type(e).__name__}: {e}): {VLLM_FIX}") from e
+    return vllm
 
 class VLLMRollout:
     "Sample completions with a colocated `vllm.LLM`; `sync_weights` loads the student's merged weights."
     def __init__(self, model_path, # local model folder (the base checkpoint the student was created from)
                  tokenizer=None, # gives pad/eos ids
                  eos_id: int | Iterable[int] | None = None, # overrides the tokenizer's
-                 gpu_memory_utilization: float = 0.3, # share of GPU memory for vLLM (colocated with training)
-                 enable_sleep_mode: bool = True, # allow sleep()/wake_up()
+                 gpu_memory_utilization: float = 0.3, # share of the GPU's memory for vLLM: weights + KV cache (colocated with training)
+                 enable_sleep_mode: bool = True, # allow sleep()/wake_up() (frees the memory during training)
                  dtype: str = "bfloat16", # vLLM weight dtype
-                 max_model_len: int | None = None, # prompt + completion budget
+                 max_model_len: int | None = None, # prompt + completion budget (None: the model config's)
+                 seed: int = 0, # engine seed (each request also carries its own)
+                 source=None, # the model whose weights the engine holds (reloaded after a level-2 sleep)
                  logprobs_mode: str | None = "processed_logprobs", # engine logprobs mode (None: vLLM's default)
                  progress: bool = True, # vLLM's tqdm bar
                  **llm_kwargs, # anything else for vllm.LLM
                 ):
+        vllm_env()
         vllm = require_vllm()
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not 0 < gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
+        p = Path(model_path)
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"VLLMRollout: {model_path} is not a local model folder with config.json (vLLM loads the "
+                                    "base weights from disk; save the model with save_pretrained first)")
         _, te = pad_eos_ids(tokenizer) if tokenizer is not None else (None, None)
         self.eos_id = eos_id if eos_id is not None else te
         if not eos_set(self.eos_id): raise ValueError("VLLMRollout needs eos ids: pass a tokenizer or eos_id")
         kw = dict(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                  dtype=dtype, max_model_len=max_model_len, **llm_kwargs)
+                  dtype=dtype, max_model_len=max_model_len, seed=seed, **llm_kwargs)
         if logprobs_mode is not None: kw["logprobs_mode"] = logprobs_mode
-        self._vllm, self.llm, self.progress, self.asleep = vllm, vllm.LLM(**kw), progress, False
+        t0 = time.perf_counter()
+        try: llm = vllm.LLM(**kw)
+        except Exception as e:
+            raise RuntimeError(f"the vLLM engine for {model_path} did not start ({type(e).__name__}: {e}). Check that "
+                               f"gpu_memory_utilization={gpu_memory_utilization} of the GPU holds the weights plus the KV cache "
+                               f"of one max_model_len={max_model_len} sequence and leaves room for training; the "
+                               f"environment set for vLLM: {vllm_env() or 'already set'}") from e
+        self.start_seconds = time.perf_counter() - t0
+        self._vllm, self.llm, self.progress = vllm, llm, progress
+        self.enable_sleep_mode, self.source = enable_sleep_mode, source
+        self.asleep, self.weights_valid = 0, True  # sleep level (0 = awake); False after a level-2 sleep until reloaded
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else None
 
-    def sleep(self, level: int = 1):
-        "Release the KV cache (level 1 also offloads weights to CPU; level 2 discards them)."
-        self.llm.sleep(level=level); self.asleep = True
+    def sleep(self, level: int | None = None):
+        "Free the engine's GPU memory: level 1 offloads the weights to CPU, level 2 discards them (None: 2 when a source model can refill them)."
+        if not self.enable_sleep_mode or self.asleep: return
+        if level is None: level = 2 if self.source is not None else 1
+        self.llm.sleep(level=level)
+        self.asleep = level
+        if level >= 2: self.weights_valid = False
 
     def wake_up(self):
-        if self.asleep: self.llm.wake_up(); self.asleep = False
+        "Reallocate the engine's memory; after a level-2 sleep the weights are reloaded from `source`."
+        if not self.asleep: return
+        if not self.weights_valid:
+            if self.source is None:
+                raise RuntimeError("VLLMRollout: the engine slept at level 2 (weights discarded) and has no source model: "
+                                   "call sync_weights(model) before generating")
+            return self.sync_weights(self.source)
+        self.llm.wake_up(); self.asleep = 0
 
     def load_state_dict(self, state: dict[str, torch.Tensor]):
-        "Load full HF-named weights into the engine and drop the prefix cache."
-        self.wake_up()
+        "Load full HF-named weights into the engine (waking only its weights first) and drop the prefix cache."
+        if self.asleep: self.llm.wake_up(tags=["weights"])
         model = _vllm_model(self.llm)
         if model is not None: model.load_weights(weights=iter(state.items()))
         else: self.llm.collective_rpc(_rpc_load_weights, args=(list(state.items()),))
+        if self.asleep: self.llm.wake_up(tags=["kv_cache"]); self.asleep = 0
+        self.weights_valid = True
         if hasattr(self.llm, "reset_prefix_cache"): self.llm.reset_prefix_cache()
 
     def sync_weights(self, model):
         "Copy the (LoRA-merged) student weights into the engine; call after each optimizer step."
+        self.source = model
         self.load_state_dict(merged_state_dict(model, dtype=self.dtype))
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingConfig | None = None, logprobs: bool = False) -> Rollout:
         "Sample one completion per prompt."
         sampling = sampling or SamplingConfig()
         prompts = [as_ids(p, "prompt_ids", i) for i, p in enumerate(prompt_ids)]
+        for i, p in enumerate(prompts):
+            if not p: raise ValueError(f"prompt_ids row {i}: empty prompt")
         self.wake_up()
         params = [self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling, logprobs, i)) for i in range(len(prompts))]
         t0 = time.perf_counter()
@@ -292,54 +339,43 @@ class VLLMRollout:
         n = sum(len(c) for c in comps)
         return Rollout(prompts, comps, [[1] * len(c) for c in comps], why, lps, secs, n / secs if secs > 0 else 0.0)
 
-# %% ../nbs/05_rollout.ipynb #5a456b63
-RELEASED_PADDING = dict(released_kl=0.059, aligned_kl=0.0004, signal_kl=0.105, mean_gap=292.0,
-                        tiny_released_kl=2.06, tiny_aligned_kl=5e-12, tiny_argmax_agree=0.79)  # SPEC numbers, for comparison
+# %% ../nbs/05_rollout.ipynb #8bf5ec16
+ROLLOUT_BACKENDS = ("auto", "hf", "vllm")
 
-def padding_report(model, # the teacher's model (base weights), e.g. the toy base or a Qwen3 checkpoint
-                   tokenizer, # its tokenizer (chat template; pad/eos ids)
-                   records: Sequence[dict], # problem records: problem, solution (and answer), e.g. opsd.data.load_problems
-                   n: int | None = None, # problems to draw at random (None: all records, in order)
-                   seed: int = 0, # draws the problems and seeds the sampling
-                   sampling: SamplingConfig | None = None, # default: the released settings with max_new_tokens 256
-                   prompt_config=None, # opsd.data.PromptConfig (default: the released prompts)
-                   gaps: Sequence[int] = (0, 16, 64, 128, 256, 512), # position gaps for the gap sweep
-                   temperature: float = 1.0, # temperature of the compared distributions
-                   batch_size: int = 64, # rollout batch size
-                  ) -> dict: # JSON-ready: perturbation per layout, gap sweep, pad-gap stats, reference numbers
-    "Measure the pad-gap perturbation of the teacher's completion distributions on sampled completions."
-    if not records: raise ValueError("padding_report: no records")
-    for i, r in enumerate(records):
-        if "problem" not in r or "solution" not in r: raise ValueError(f"records row {i}: needs 'problem' and 'solution'")
-    idx = list(range(len(records))) if n is None or n >= len(records) else sorted(random.Random(seed).sample(range(len(records)), n))
-    recs = [records[i] for i in idx]
-    s_ids = [student_prompt_ids(tokenizer, r["problem"], prompt_config) for r in recs]
-    t_ids = [teacher_prompt_ids(tokenizer, r["problem"], r["solution"], prompt_config) for r in recs]
-    sampling = sampling or SamplingConfig(max_new_tokens=256, seed=seed)
-    ro = HFRollout(model, tokenizer, batch_size=batch_size, progress=False).generate(s_ids, sampling)
-    pad_id, eos_id = pad_eos_ids(tokenizer)
-    pert = padding_perturbation(model, pad_id, s_ids, t_ids, ro.completion_ids, eos_id=eos_id, temperature=temperature)
-    sweep = gap_perturbation(model, t_ids, ro.completion_ids, gaps, pad_id, eos_id, temperature=temperature)
-    return dict(n=len(recs), seed=seed, record_idx=idx, sampling=asdict(sampling), temperature=temperature,
-                teacher_prompt_len=pad_gap_stats([len(t) for t in t_ids]), student_prompt_len=pad_gap_stats([len(s) for s in s_ids]),
-                completion_len=pad_gap_stats([len(c) for c in ro.completion_ids]), stop_frac=ro.stop_frac,
-                rollout_seconds=ro.seconds, perturbation=pert, gap_sweep=sweep, reference=RELEASED_PADDING)
+def resolve_backend(name: str = "auto", # 'auto', 'hf' or 'vllm'
+                   ) -> str: # 'hf' or 'vllm'
+    "The rollout backend to use: 'auto' is vLLM on a CUDA machine where vllm imports, else HF."
+    if name not in ROLLOUT_BACKENDS: raise ValueError(f"rollout backend must be one of {ROLLOUT_BACKENDS}, got {name!r}")
+    if name == "hf": return "hf"
+    if name == "vllm": require_vllm(); return "vllm"
+    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None: return "hf"
+    try: require_vllm()
+    except Exception as e:
+        warnings.warn(f"rollout 'auto': vllm is installed but unusable, using HF generate ({e})")
+        return "hf"
+    return "vllm"
 
-def format_padding_report(rep: dict) -> str:
-    "A plain-text table of a `padding_report`."
-    p, ref = rep["perturbation"], rep["reference"]
-    g = p["pad_gap"]
-    lines = [f"padding report: {rep['n']} problems, seed {rep['seed']}, completions {rep['completion_len']['mean']:.0f} tokens on average "
-             f"(stop {rep['stop_frac']:.0%})",
-             f"teacher pad gap (released layout): mean {g['mean']:.1f}, median {g['median']:.0f}, max {g['max']:.0f} tokens "
-             f"(released study: mean {ref['mean_gap']:.0f})",
-             f"signal, aligned KL(teacher||student): {p['signal_kl']:.4g} (released study: {ref['signal_kl']})", "",
-             f"{'layout':<14} {'KL mean':>10} {'KL max':>10} {'KL first':>10} {'KL rest':>10} {'argmax':>7}"]
-    for v in ("aligned", "aligned_nopos", "released", "released_pos"):
-        if v in p:
-            s = p[v]
-            lines.append(f"{v:<14} {s['kl_mean']:>10.3g} {s['kl_max']:>10.3g} {s['kl_first']:>10.3g} {s['kl_rest']:>10.3g} {s['argmax_agree']:>7.1%}")
-    lines += [f"(released study: released {ref['released_kl']}, left-padded {ref['aligned_kl']}; "
-              f"tiny prototype: {ref['tiny_released_kl']} vs {ref['tiny_aligned_kl']})", "",
-              "position gap -> KL mean (argmax agreement): " + ", ".join(f"{r['gap']}: {r['kl_mean']:.3g} ({r['argmax_agree']:.0%})" for r in rep["gap_sweep"])]
-    return "\n".join(lines)
+def _model_path_of(model) -> str | None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    p = getattr(getattr(base, "config", None), "_name_or_path", None)
+    return p if p and Path(p, "config.json").exists() else None
+
+def make_rollout(backend: str, # 'auto', 'hf' or 'vllm'
+                 model, # the student (HF or peft-wrapped): HF generates with it, vLLM syncs from it
+                 tokenizer, # gives pad/eos ids
+                 model_path=None, # local base-model folder for vLLM (default: the model's config._name_or_path)
+                 *, max_model_len: int | None = None, # prompt + completion budget (vLLM's engine size)
+                 gpu_memory_utilization: float = 0.3, # vLLM's share of GPU memory (weights + KV cache)
+                 sleep: bool = True, # vLLM: enable sleep mode, so `sleep()` frees the memory during training
+                 seed: int = 0, # vLLM engine seed
+                 progress: bool = False, # progress bars
+                 batch_size: int = 64, # HF: prompts per generate call
+                 **engine_kw, # vLLM: more `VLLMRollout`/`vllm.LLM` arguments (dtype, enforce_eager, ...)
+                ) -> "HFRollout | VLLMRollout":
+    "The rollout backend for a config: `HFRollout` or `VLLMRollout`, both with generate/sync_weights/sleep/wake_up."
+    name = resolve_backend(backend)
+    if name == "hf": return HFRollout(model, tokenizer, batch_size=batch_size, progress=progress)
+    path = model_path or _model_path_of(model)
+    if path is None: raise ValueError("make_rollout('vllm'): pass model_path, the local folder of the base model")
+    return VLLMRollout(path, tokenizer, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep,
+                       max_model_len=max_model_len, seed=seed, source=model, progress=progress, **engine_kw)

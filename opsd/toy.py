@@ -4,17 +4,20 @@
 
 # %% ../nbs/08_toy.ipynb #717e6b7c
 from __future__ import annotations
-import hashlib, json, math, os, random, shutil, tempfile, time
+import contextlib, hashlib, json, math, os, random, shutil, tempfile, time
 from dataclasses import dataclass, asdict, fields, replace
 from pathlib import Path
 import torch
 import torch.nn.functional as F
-from .data import PromptConfig, QWEN3_CHAT_TEMPLATE, student_prompt, teacher_prompt, last_boxed, user_cache_dir
+from .data import PromptConfig, QWEN3_CHAT_TEMPLATE, student_prompt, teacher_prompt, student_prompt_ids, teacher_prompt_ids, user_cache_dir
+from .collate import collate, batch_logits
+from .rollout import HFRollout, SamplingConfig
+from .eval import grade
 
 # %% auto #0
 __all__ = ['TOY_PROMPT', 'TOY_SPECIAL_TOKENS', 'TOY_PRESETS', 'TOY_RECIPE_VERSION', 'split_of', 'solution_text', 'solution_steps',
            'make_problems', 'slip_solution', 'toy_tokenizer', 'ToyConfig', 'toy_config', 'toy_model', 'sft_examples',
-           'sft_batch', 'train_sft', 'toy_grade', 'generate_completions', 'measure_toy', 'toy_base_path',
+           'sft_batch', 'torch_threads', 'train_sft', 'toy_rollout', 'toy_accuracy', 'measure_toy', 'toy_base_path',
            'build_toy_base', 'load_toy_base', 'toy_build_info']
 
 # %% ../nbs/08_toy.ipynb #c44dd21c
@@ -152,7 +155,8 @@ class ToyConfig:
     warmup_steps:int=30
     weight_decay:float=0.0
     teacher_frac:float=0.4 # share of SFT examples in the teacher format (with a reference)
-    slip_frac:float=0.35 # share of teacher-format references with a consistent slip (target stays correct)
+    slip_frac:float=0.2 # share of teacher-format references with a consistent slip (target stays correct)
+    sft_threads:int=2 # torch threads during SFT: fixed, so a build is bit-identical whatever the machine's setting
     # measurement
     n_eval:int=200 # held-out problems measured after the build
     max_new_tokens:int=48 # generation budget (a 3-step solution is about 35 tokens)
@@ -163,7 +167,7 @@ class ToyConfig:
         return dict(min_ops=self.min_ops, max_ops=self.max_ops, max_start=self.max_start,
                     max_operand=self.max_operand, max_value=self.max_value)
 
-TOY_PRESETS = {"soft": dict(slip_frac=0.35), "copy": dict(slip_frac=0.0)}  # they differ only in the trust knob
+TOY_PRESETS = {"soft": dict(slip_frac=0.2), "copy": dict(slip_frac=0.0)}  # they differ only in the trust knob
 
 def toy_config(preset:str="soft", **overrides)->ToyConfig:
     "The `ToyConfig` of a preset (`'soft'` or `'copy'`), with field overrides."
@@ -215,6 +219,14 @@ def sft_batch(prompt_ids:list[list[int]], target_ids:list[list[int]], pad_id:int
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 # %% ../nbs/08_toy.ipynb #e2dcc324
+@contextlib.contextmanager
+def torch_threads(n:int):
+    "Run the block with `torch.set_num_threads(n)`; the previous count is restored afterwards."
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try: yield
+    finally: torch.set_num_threads(old)
+
 def train_sft(model, tokenizer, cfg:ToyConfig, progress:bool=True)->list[float]:
     "SFT of `model` on both prompt formats (in place); returns the per-step losses."
     from tqdm.auto import tqdm
@@ -226,70 +238,49 @@ def train_sft(model, tokenizer, cfg:ToyConfig, progress:bool=True)->list[float]:
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, n_steps) / n_steps)))
     model.train(); losses = []
     bar = tqdm(range(cfg.sft_steps), desc="toy SFT", disable=not progress, mininterval=1.0)
-    for step in bar:
-        idx = sorted(order[step * cfg.batch_size:(step + 1) * cfg.batch_size], key=lambda i: len(P[i]) + len(T[i]))
-        n_tok = sum(len(T[i]) for i in idx)
-        opt.zero_grad(set_to_none=True); step_loss = 0.0
-        for j in range(0, len(idx), cfg.micro_batch):  # length-sorted chunks: less padding, same gradient
-            chunk = idx[j:j + cfg.micro_batch]
-            b = {k: v.to(model.device) for k, v in sft_batch([P[i] for i in chunk], [T[i] for i in chunk], tokenizer.pad_token_id).items()}
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1].float()
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"][:, 1:].reshape(-1), reduction="sum") / n_tok
-            loss.backward(); step_loss += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step(); sched.step()
-        losses.append(step_loss)
-        if step % 20 == 0: bar.set_postfix(loss=f"{step_loss:.3f}")
+    with torch_threads(cfg.sft_threads): # CPU reductions split by thread count: fix it for bit-identical bases
+      for step in bar:
+          idx = sorted(order[step * cfg.batch_size:(step + 1) * cfg.batch_size], key=lambda i: len(P[i]) + len(T[i]))
+          n_tok = sum(len(T[i]) for i in idx)
+          opt.zero_grad(set_to_none=True); step_loss = 0.0
+          for j in range(0, len(idx), cfg.micro_batch):  # length-sorted chunks: less padding, same gradient
+              chunk = idx[j:j + cfg.micro_batch]
+              b = {k: v.to(model.device) for k, v in sft_batch([P[i] for i in chunk], [T[i] for i in chunk], tokenizer.pad_token_id).items()}
+              logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1].float()
+              loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"][:, 1:].reshape(-1), reduction="sum") / n_tok
+              loss.backward(); step_loss += loss.item()
+          torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step(); sched.step()
+          losses.append(step_loss)
+          if step % 20 == 0: bar.set_postfix(loss=f"{step_loss:.3f}")
     model.eval()
     return losses
 
 # %% ../nbs/08_toy.ipynb #641c4a03
-def toy_grade(completion:str, answer:str)->bool:
-    "Exact match of the last `\\boxed{}` in a completion with the answer."
-    got = last_boxed(completion)
-    return got is not None and got.strip() == str(answer).strip()
+def toy_rollout(model, tokenizer, prompt_ids:list[list[int]], # templated prompt ids
+                temperature:float=0.0, # 0 = greedy
+                max_new_tokens:int=48, seed:int=0, batch_size:int=256)->list[list[int]]:
+    "Completion ids (cut after the first eos) from `opsd.rollout.HFRollout`: the trainer's own generation path, no top-k/top-p."
+    sampling = SamplingConfig(temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, seed=seed)
+    return HFRollout(model, tokenizer, batch_size=batch_size, progress=False).generate(prompt_ids, sampling).completion_ids
 
-def _cut(ids:list[int], eos_id:int, pad_id:int)->list[int]:
-    "A generated row up to and including its first eos (pads dropped)."
-    out = []
-    for t in ids:
-        if t == pad_id and t != eos_id: continue
-        out.append(t)
-        if t == eos_id: break
-    return out
-
-@torch.no_grad()
-def generate_completions(model, tokenizer, prompts:list[str], # already-templated prompt texts
-                         max_new_tokens:int=48, do_sample:bool=False, temperature:float=1.0,
-                         batch_size:int=256, seed:int|None=None)->list[list[int]]:
-    "Completion ids (cut after the first eos) for each prompt; batched, left-padded."
-    from transformers import GenerationConfig
-    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_id=tokenizer.eos_token_id,
-                          pad_token_id=tokenizer.pad_token_id,
-                          **(dict(temperature=temperature, top_k=0, top_p=1.0) if do_sample else {}))
-    if seed is not None: torch.manual_seed(seed)
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        enc = tokenizer(prompts[i:i + batch_size], add_special_tokens=False, padding=True, padding_side="left",
-                        return_tensors="pt").to(model.device)
-        gen = model.generate(**enc, generation_config=gc)
-        out += [_cut(r, tokenizer.eos_token_id, tokenizer.pad_token_id) for r in gen[:, enc["input_ids"].shape[1]:].tolist()]
-    return out
+def toy_accuracy(tokenizer, completions:list[list[int]], problems:list[dict])->float:
+    "Share of completions whose last `\\boxed{}` is the answer, graded by `opsd.eval.grade` (mode 'exact')."
+    ok = [grade(tokenizer.decode(c, skip_special_tokens=True), p["answer"], mode="exact")
+          for c, p in zip(completions, problems)]
+    return sum(ok) / max(len(ok), 1)
 
 # %% ../nbs/08_toy.ipynb #0313072f
 @torch.no_grad()
-def _top_prob(model, prompt_ids:list[list[int]], comps:list[list[int]], pad_id:int, batch_size:int=100)->float:
+def _top_prob(model, tokenizer, prompt_ids:list[list[int]], comps:list[list[int]], batch_size:int=100)->float:
     "Mean over completion tokens of the model's largest next-token probability, given prompt + completion."
     tot, cnt = 0.0, 0
     for i in range(0, len(comps), batch_size):
-        rows = [p + c for p, c in zip(prompt_ids[i:i + batch_size], comps[i:i + batch_size])]
-        L = max(map(len, rows))
-        ids = torch.full((len(rows), L), pad_id); mask = torch.zeros_like(ids)
-        for j, r in enumerate(rows): ids[j, L - len(r):] = torch.tensor(r); mask[j, L - len(r):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        probs = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                      position_ids=pos.to(model.device)).logits.float().softmax(-1).max(-1).values  # (B, L)
-        for j, c in enumerate(comps[i:i + batch_size]):
-            if c: tot += probs[j, L - len(c) - 1:L - 1].sum().item(); cnt += len(c)
+        P, Cs = prompt_ids[i:i + batch_size], comps[i:i + batch_size]
+        if not any(Cs): continue
+        b = collate(P, P, Cs, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, mode="aligned")  # opsd's own layout
+        probs = batch_logits(model, b, "teacher").float().softmax(-1).max(-1).values  # (B, L)
+        mask = b.completion_mask
+        tot += probs[mask].sum().item(); cnt += int(mask.sum())
     return tot / max(cnt, 1)
 
 def measure_toy(model, tokenizer, cfg:ToyConfig|None=None, # task knobs (default ToyConfig())
@@ -300,22 +291,21 @@ def measure_toy(model, tokenizer, cfg:ToyConfig|None=None, # task knobs (default
     "Student and teacher accuracy (greedy, sampled) and top probabilities on a fixed held-out set."
     cfg = cfg or ToyConfig()
     probs = make_problems(n, seed=seed, split="test", **cfg.problem_kw())
-    sp = [student_prompt(tokenizer, p["problem"], TOY_PROMPT) for p in probs]
-    tp = [teacher_prompt(tokenizer, p["problem"], p["solution"], TOY_PROMPT) for p in probs]
-    acc = lambda comps: sum(toy_grade(tokenizer.decode(c), p["answer"]) for c, p in zip(comps, probs)) / n
-    gen = lambda prompts, **kw: generate_completions(model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, **kw)
+    sp = [student_prompt_ids(tokenizer, p["problem"], TOY_PROMPT) for p in probs]
+    tp = [teacher_prompt_ids(tokenizer, p["problem"], p["solution"], TOY_PROMPT) for p in probs]
+    gen = lambda prompts, **kw: toy_rollout(model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, **kw)
+    acc = lambda comps: toy_accuracy(tokenizer, comps, probs)
     res = dict(student_acc=acc(gen(sp)), teacher_acc=acc(gen(tp)))
-    s_samp = gen(sp, do_sample=True, temperature=temperature, seed=seed)
+    s_samp = gen(sp, temperature=temperature, seed=seed)
     res["student_sampled_acc"] = acc(s_samp)
-    res["teacher_sampled_acc"] = acc(gen(tp, do_sample=True, temperature=temperature, seed=seed + 1))
-    enc = lambda xs: tokenizer(xs, add_special_tokens=False)["input_ids"]
-    res["teacher_top_prob"] = _top_prob(model, enc(tp), s_samp, tokenizer.pad_token_id)
-    res["student_top_prob"] = _top_prob(model, enc(sp), s_samp, tokenizer.pad_token_id)
+    res["teacher_sampled_acc"] = acc(gen(tp, temperature=temperature, seed=seed + 1))
+    res["teacher_top_prob"] = _top_prob(model, tokenizer, tp, s_samp)
+    res["student_top_prob"] = _top_prob(model, tokenizer, sp, s_samp)
     res["mean_completion_len"] = sum(map(len, s_samp)) / n
     return {k: round(v, 4) for k, v in res.items()}
 
 # %% ../nbs/08_toy.ipynb #14c85010
-TOY_RECIPE_VERSION = 2  # bump when the task, tokenizer or SFT code changes what a config builds
+TOY_RECIPE_VERSION = 3  # bump when the task, tokenizer or SFT code changes what a config builds
 
 def toy_base_path(cfg:ToyConfig|None=None, preset:str="soft", cache_dir:str|Path|None=None)->Path:
     "Where `build_toy_base` puts (or finds) the base for a configuration."
@@ -345,7 +335,7 @@ def build_toy_base(cfg:ToyConfig|None=None, # full configuration (default: the p
                 n_params=sum(p.numel() for p in model.parameters()), loss_first=losses[0] if losses else None,
                 loss_last=sum(losses[-20:]) / max(len(losses[-20:]), 1) if losses else None,
                 train_seconds=round(t1 - t0, 1), measure_seconds=round(t2 - t1, 1), seconds=round(t2 - t0, 1),
-                torch=torch.__version__, threads=torch.get_num_threads())
+                torch=torch.__version__, threads=cfg.sft_threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".tmp"))
     model.save_pretrained(tmp, safe_serialization=True); tok.save_pretrained(tmp)

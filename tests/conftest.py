@@ -41,3 +41,9 @@ def toy_data_file(toy_problems, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "toy.jsonl"
     path.write_text("".join(json.dumps({k: p[k] for k in ("problem", "solution", "answer")}) + "\n" for p in toy_problems))
     return path
+
+
+def pytest_configure(config):
+    for name, what in (("slow", "long CPU tests"), ("gpu", "needs a CUDA GPU (skipped without one)"),
+                       ("vllm", "needs vLLM on a CUDA GPU (skipped without it)")):
+        config.addinivalue_line("markers", f"{name}: {what}")

@@ -42,34 +42,32 @@ def test_padding_json(tiny_ckpt, toy_problems, tmp_path):
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "demo"
-    r = run("demo", "--quick", "--presets", "soft", "--out", out)
+    r = run("demo", "--quick", "--seeds", "2", "--teachers", "soft", "--clips", "entry", "scaled", "none", "--out", out, "--no-png")
     return out, r.stdout
 
 
 def test_quick_demo_outputs_are_consistent(quick_demo):
     out, stdout = quick_demo
-    assert "demo finished" in stdout
-    runs = {m: out / f"soft-{m}" for m in ("entry", "scaled", "none")}
-    for mode, rd in runs.items():
-        m = pl.read_ndjson(rd / "metrics.jsonl")
-        assert m["step"].to_list() == list(range(1, 7))
-        assert (m["clip"] == mode).all() and (m["true_kl"] >= 0).all()
-        # the optimised loss is exactly what the diagnostics say it should be, from the same logits
-        if mode == "none":
-            assert (m["loss"] - m["true_kl"]).abs().max() < 1e-5
-        if mode == "entry":
-            assert (m["loss"] - m["entry_clip_loss"]).abs().max() < 1e-5
-            assert (m["loss"] <= m["true_kl"] + 1e-6).all()
-        if mode == "scaled":
-            assert (m["loss"] <= 0.05 + 1e-6).all()
-        ev = pl.read_ndjson(rd / "eval.jsonl")
-        assert set(ev["step"].unique().to_list()) >= {0, 6} and ev.filter(pl.col("step") == 0).height == 32
-        assert (rd / "checkpoints" / "step-6" / "adapter_model.safetensors").exists()
-    # every run starts from the same base: identical step-0 evaluations
-    step0 = [pl.read_ndjson(rd / "eval.jsonl").filter(pl.col("step") == 0).sort("problem_id")["correct"].to_list() for rd in runs.values()]
-    assert step0[0] == step0[1] == step0[2]
+    for seed in (0, 1):
+        runs = {m: out / f"soft-{m}-s{seed}" for m in ("entry", "scaled", "none")}
+        for mode, rd in runs.items():
+            m = pl.read_ndjson(rd / "metrics.jsonl")
+            assert m["step"].to_list() == list(range(1, len(m) + 1)) and len(m) >= 2
+            assert (m["clip"] == mode).all() and (m["kl/true"] >= 0).all()
+            # the optimised loss is exactly what the instruments say it should be, from the same logits
+            if mode == "none":
+                assert (m["loss"] - m["kl/true"]).abs().max() < 1e-5 and (m["update_cos"] > 1 - 1e-6).all()
+            if mode == "entry":
+                assert (m["loss"] - m["entry/loss"]).abs().max() < 1e-5
+                assert (m["loss"] <= m["kl/true"] + 1e-6).all()
+            if mode == "scaled":
+                assert (m["loss"] <= 0.05 + 1e-6).all() and (m["update_cos"] > 1 - 1e-6).all()
+            ev = pl.read_ndjson(rd / "eval.jsonl")
+            assert 0 in ev["step"].unique().to_list()
+        # every run of a seed starts from the same base: identical step-0 evaluations
+        step0 = [pl.read_ndjson(rd / "eval.jsonl").filter(pl.col("step") == 0).sort("problem_id")["correct"].to_list() for rd in runs.values()]
+        assert step0[0] == step0[1] == step0[2]
     page = (out / "report-soft" / "index.html").read_text()
     import re
     assert page.count("<script") >= 1 and not re.search(r"<script[^>]+src=[\"']https?:", page)  # opens offline
-    table = pl.read_csv(out / "summary.csv")
-    assert table.height == 3
+    assert pl.read_csv(out / "summary.csv").height >= 3

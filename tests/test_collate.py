@@ -1,11 +1,12 @@
-"Tests for opsd.collate: layouts, label masks, pad == eos, errors, completion-aligned logits, perturbation."
+"Tests for opsd.collate: the layout builder, label masks, pad == eos, errors, completion-aligned logits, pad-gap statistics."
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from opsd.collate import (IGNORE_INDEX, OPSDBatch, as_ids, batch_logits, collate, completion_logits, gap_perturbation,
-                          pad_eos_ids, pad_gap_stats, pad_gaps, padding_perturbation, position_ids_from_mask, trim_at_eos)
+from opsd.collate import (IGNORE_INDEX, OPSDBatch, as_ids, batch_logits, collate, completion_logits, left_pad, pad_eos_ids,
+                          pad_gap_stats, pad_gaps, pad_rows, padded_batch, position_ids_from_mask, prompt_completion_layout,
+                          trim_at_eos)
 
 torch.set_num_threads(2)
 V = 301  # odd vocabulary
@@ -213,27 +214,44 @@ def test_layout_property(shape, mode, pad_is_eos):
             assert pos.tolist() == list(range(len(tp[i]) + len(want[i])))
 
 
-def test_padding_perturbation(model):
-    out = padding_perturbation(model, 0, SP, TP, CP)
-    assert set(out) >= {"aligned", "aligned_nopos", "released", "released_pos", "pad_gap", "signal_kl", "rows"}
-    assert out["aligned"]["kl_max"] < 1e-9 and out["aligned"]["argmax_agree"] == 1.0
-    assert out["aligned_nopos"]["kl_max"] < 1e-6
-    assert out["released"]["kl_mean"] > 1e-4
-    assert out["released_pos"]["kl_rest"] < 1e-9  # positions that skip the gap: the pads tokens are harmless
-    assert out["released_pos"]["kl_first"] > 1e-6  # except where the first completion token is predicted from a pad
-    assert out["rows"]["pad_gap"] == [41 - len(p) for p in TP]
-    assert out["pad_gap"]["max"] == 40.0
-    assert out["signal_kl"] > 0
-    n_valid = sum(len(c) for c in CP)
-    assert out["aligned"]["positions"] == n_valid
-    # the row without a gap is unperturbed even in the released layout
-    assert out["rows"]["kl_released"][0] < 1e-9
-    with pytest.raises(ValueError, match="who"):
-        padding_perturbation(model, 0, SP, TP, CP, who="both")
+def test_pad_rows_and_left_pad():
+    ids, mask = left_pad([[5], [6, 7, 8]], 0, multiple=2)  # the generation layout (HFRollout's static-cache rounding)
+    assert ids.tolist() == [[0, 0, 0, 5], [0, 6, 7, 8]] and mask.tolist() == [[0, 0, 0, 1], [0, 1, 1, 1]]
+    ids, mask = pad_rows([torch.tensor([1, 2]), (3,)], IGNORE_INDEX, side="right", width=4)
+    assert ids.tolist() == [[1, 2, -100, -100], [3, -100, -100, -100]] and mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+    assert left_pad([[1, 2, 3]], 0, multiple=4)[0].shape == (1, 4)
+    for bad, msg in (((([1],), 0), dict(side="up")), "side"), (((([1],), 0), dict(multiple=0)), "multiple"), ((([], 0), {}), "no rows"):
+        with pytest.raises(ValueError, match=msg):
+            pad_rows(*bad[0], **bad[1])
 
 
-def test_gap_perturbation(model):
-    res = gap_perturbation(model, TP, CP, gaps=(0, 3, 40))
-    assert [r["gap"] for r in res] == [0, 3, 40]
-    assert res[0]["kl_max"] < 1e-12
-    assert 0 < res[1]["kl_mean"] and 0 < res[2]["kl_mean"]
+def test_padded_batch_scores_rows_as_alone(model):
+    "Whole sequences left-padded with positions from the mask give each row's own logits (what the toy scorer needs)."
+    seqs = rows([5, 12, 1, 9], 7)
+    kw = padded_batch(seqs, pad_id=0)
+    assert kw["position_ids"].tolist()[2] == [0] * 12
+    with torch.no_grad():
+        z = model(**kw).logits
+        for i, s in enumerate(seqs):
+            zi = model(torch.tensor([s])).logits[0]
+            assert (z[i, -len(s):] - zi).abs().max() < 1e-5
+    assert padded_batch(seqs, 0, positions=False)["position_ids"] is None
+    ids, mask = pad_rows(seqs, 0, side="right")
+    assert padded_batch(seqs, 0, side="right")["input_ids"].equal(ids)
+
+
+@pytest.mark.parametrize("mode", ["aligned", "released"])
+def test_prompt_completion_layout_is_collate(mode):
+    "collate lays out both sides with prompt_completion_layout (one builder): same ids, masks, positions, gaps."
+    b = collate(SP, TP, CP, pad_id=0, mode=mode)
+    for who, prompts, gap in (("student", SP, b.student_pad_gap), ("teacher", TP, b.pad_gap)):
+        ids, mask, pos, g = prompt_completion_layout(prompts, CP, 0, mode)
+        kw = b.inputs(who)
+        assert ids.equal(kw["input_ids"]) and mask.equal(kw["attention_mask"]) and g.equal(gap)
+        assert (pos is None and kw["position_ids"] is None) if mode == "released" else pos.equal(kw["position_ids"])
+    ids, mask, pos, g = prompt_completion_layout([[4, 5]], [[6]], 0, mode, completion_len=3)  # a fixed completion budget
+    assert ids.tolist() == [[4, 5, 6, 0, 0]] and mask.tolist() == [[1, 1, 1, 0, 0]]
+    with pytest.raises(ValueError, match="counts differ"):
+        prompt_completion_layout([[1]], [[2], [3]], 0, mode)
+    with pytest.raises(ValueError, match="mode"):
+        prompt_completion_layout([[1]], [[2]], 0, "left")

@@ -36,7 +36,7 @@ def test_kl_drift_single_replicate_is_the_raw_series(metrics):
     for d in fig.data:
         raw = m.filter(pl.col("clip") == d.name).sort("step")
         assert list(d.x) == raw["step"].to_list()
-        np.testing.assert_allclose(d.y, raw["true_kl"].to_numpy())
+        np.testing.assert_allclose(d.y, raw["kl/true"].to_numpy())
         assert d.line.color == CLIP_COLORS[d.name]
     assert "nats" in fig.layout.yaxis.title.text
 
@@ -46,7 +46,7 @@ def test_kl_drift_mean_and_band_over_seeds(metrics):
     mean = next(d for d in fig.data if d.name == "entry (mean of 3)")
     band = next(d for d in fig.data if d.name == "entry ±1 sd")
     e = metrics.filter(pl.col("clip") == "entry").group_by("step").agg(
-        m=pl.col("true_kl").mean(), sd=pl.col("true_kl").std()).sort("step")
+        m=pl.col("kl/true").mean(), sd=pl.col("kl/true").std()).sort("step")
     np.testing.assert_allclose(mean.y, e["m"].to_numpy())
     upper = np.asarray(band.y[: e.height])
     np.testing.assert_allclose(upper, (e["m"] + e["sd"]).to_numpy())
@@ -62,15 +62,37 @@ def test_by_run_and_other_labels(metrics):
     assert plots.clip_color("entry") == CLIP_COLORS["entry"]
 
 
-def test_loss_sign_zero_line_and_negative_share(metrics):
-    fig = plots.loss_sign(metrics)
-    assert any(s.y0 == 0 and s.y1 == 0 for s in fig.layout.shapes)  # the zero line
+def test_synthetic_metrics_encode_the_keys_meaning(metrics):
+    # entry instruments exist on every run; update_cos is 1 for scaled/none; a none loss is its KL, never negative
+    for clip, g in metrics.group_by("clip"):
+        assert g["entry/neg_loss_frac"].max() > 0 and g["entry/argmax_clipped_frac"].min() > 0
+    none = metrics.filter(pl.col("clip") == "none")
+    assert (none["loss"] >= 0).all() and np.allclose(none["loss"], none["kl/true"], atol=1e-4)
+    assert set(metrics.filter(pl.col("clip").is_in(["scaled", "none"]))["update_cos"].to_list()) == {1.0}
+    e = metrics.filter(pl.col("clip") == "entry")
+    assert e["loss"].to_list() == e["entry/loss"].to_list() and e["update_cos"].to_list() == e["entry/grad_cos"].to_list()
+    assert e["loss"].min() < 0
+
+
+def test_loss_by_clip_own_axis_and_zero_line(metrics):
+    fig = plots.loss_by_clip(metrics)
+    assert {d.xaxis for d in fig.data} == {"x", "x2", "x3", "x4"}  # a panel (own axes) per clip mode
+    assert sum(1 for s in fig.layout.shapes if s.y0 == 0 and s.y1 == 0) == 4  # a zero line in each
+    none_mean = next(d for d in fig.data if d.name == "none (mean of 3)")
+    expect = metrics.filter(pl.col("clip") == "none").group_by("step").agg(pl.col("loss").mean()).sort("step")
+    np.testing.assert_allclose(none_mean.y, expect["loss"].to_numpy())
+    assert min(none_mean.y) >= 0
+
+
+def test_entry_loss_sign_measured_on_every_run(metrics):
+    fig = plots.entry_loss_sign(metrics)
+    assert any(s.y0 == 0 and s.y1 == 0 for s in fig.layout.shapes)
     neg = [d for d in fig.data if d.yaxis == "y2"]
-    assert len(neg) == 8  # band + mean per clip mode
-    entry_neg = next(d for d in neg if d.name.startswith("entry") and d.mode == "lines")
-    expect = metrics.filter(pl.col("clip") == "entry").group_by("step").agg(pl.col("neg_loss_frac").mean()).sort("step")
-    np.testing.assert_allclose(entry_neg.y, expect["neg_loss_frac"].to_numpy())
-    one_panel = plots.loss_sign(metrics.drop("neg_loss_frac"))
+    assert len(neg) == 8  # band + mean per clip mode: the instrument exists for every run
+    none_neg = next(d for d in neg if d.name.startswith("none") and d.mode == "lines")
+    expect = metrics.filter(pl.col("clip") == "none").group_by("step").agg(pl.col("entry/neg_loss_frac").mean()).sort("step")
+    np.testing.assert_allclose(none_neg.y, expect["entry/neg_loss_frac"].to_numpy())
+    one_panel = plots.entry_loss_sign(metrics.drop("entry/neg_loss_frac"))
     assert all(d.yaxis in (None, "y") for d in one_panel.data)
 
 
@@ -79,22 +101,37 @@ def test_argmax_clipped_and_grad_cos(metrics):
     assert a.layout.yaxis.tickformat == ".0%"
     g = plots.grad_cos(metrics)
     assert tuple(g.layout.yaxis.range) == (-1.05, 1.05)
+    upd = next(d for d in g.data if d.name == "scaled (mean of 3)" and d.xaxis == "x")
+    assert set(upd.y) == {1.0}  # the scaled update is parallel to the true gradient
     # nulls (a metric not logged every step) are dropped, not plotted as zeros
     m = metrics.filter(pl.col("seed") == 0).with_columns(
-        pl.when(pl.col("step") % 2 == 0).then(None).otherwise(pl.col("grad_cos")).alias("grad_cos"))
-    d = plots.grad_cos(m).data[0]
+        pl.when(pl.col("step") % 2 == 0).then(None).otherwise(pl.col("entry/grad_cos")).alias("entry/grad_cos"))
+    d = next(d for d in plots.grad_cos(m).data if d.xaxis == "x2")
     assert all(x % 2 == 1 for x in d.x)
 
 
+def test_by_kl_band_means():
+    pos = pl.DataFrame({"clip": ["entry"] * 6 + ["none"] * 6, "step": [1, 1, 1, 2, 2, 2] * 2,
+                        "kl/true": [0.01, 0.02, 0.5, 0.01, 0.5, 2.0] * 2, "entry/grad_cos": [0.9, 0.7, 0.1, 0.8, 0.3, -0.5] * 2})
+    fig = plots.by_kl_band(pos, edges=(0, 0.05, 1.0), step_window=2, min_count=1)
+    low = next(d for d in fig.data if d.name == "KL 0–0.05" and d.xaxis == "x")
+    mid = next(d for d in fig.data if d.name == "KL 0.05–1" and d.xaxis == "x")
+    high = next(d for d in fig.data if d.name == "KL ≥ 1" and d.xaxis == "x")
+    assert low.y[0] == pytest.approx(0.8) and mid.y[0] == pytest.approx(0.2) and high.y[0] == pytest.approx(-0.5)
+    assert {d.xaxis for d in fig.data} == {"x", "x2"}
+    with pytest.raises(ValueError, match="entry/grad_cos"):
+        plots.by_kl_band(pos.drop("entry/grad_cos"))
+
+
 def test_argmax_clipped_vs_tau():
-    f = pl.DataFrame(dict(tau=[0.2, 0.01, 0.05, 0.05], argmax_clipped_frac=[0.01, 0.3, 0.1, 0.2],
-                          clipped_teacher_mass=[0.02, 0.5, 0.2, 0.3]))
+    f = pl.DataFrame({"tau": [0.2, 0.01, 0.05, 0.05], "entry/argmax_clipped_frac": [0.01, 0.3, 0.1, 0.2],
+                      "entry/clipped_teacher_mass": [0.02, 0.5, 0.2, 0.3]})
     fig = plots.argmax_clipped_vs_tau(f)
     assert fig.layout.xaxis.type == "log"
     arg = fig.data[0]
     assert list(arg.x) == [0.01, 0.05, 0.2]  # sorted, duplicates averaged
     np.testing.assert_allclose(arg.y, [0.3, 0.15, 0.01])
-    assert len(plots.argmax_clipped_vs_tau(f.drop("clipped_teacher_mass")).data) == 1
+    assert len(plots.argmax_clipped_vs_tau(f.drop("entry/clipped_teacher_mass")).data) == 1
     by = plots.argmax_clipped_vs_tau(f.with_columns(clip=pl.Series(["entry", "entry", "token", "token"])), by="clip")
     assert {d.line.color for d in by.data} == {CLIP_COLORS["entry"], CLIP_COLORS["token"]}
 
@@ -103,7 +140,7 @@ def test_clipped_mass_vs_divergence_bins():
     kl = np.array([0.0, 1e-3, 1e-3, 1e-2, 1e-1, 1.0, 1.0])
     mass = np.array([0.0, 0.0, 0.2, 0.1, 0.4, 0.8, 0.6])
     arg = np.array([False, False, False, False, True, True, False])
-    pos = pl.DataFrame(dict(true_kl=kl, clipped_teacher_mass=mass, argmax_clipped=arg))
+    pos = pl.DataFrame({"kl/true": kl, "entry/clipped_teacher_mass": mass, "entry/argmax_clipped": arg})
     fig = plots.clipped_mass_vs_divergence(pos, bins=3)
     mean, frac = fig.data[1], fig.data[2]
     # log bins over [1e-3, 1]: edges 1e-3, 1e-2, 1e-1, 1 -> bins {1e-3,1e-3}, {1e-2}, {1e-1,1,1}
@@ -112,35 +149,46 @@ def test_clipped_mass_vs_divergence_bins():
     assert list(mean.customdata) == [2, 1, 3]
     assert "1 with true KL ≤ 0 left out" in fig.layout.title.text
     assert fig.layout.xaxis.type == "log"
-    with pytest.raises(ValueError, match="true_kl > 0"):
-        plots.clipped_mass_vs_divergence(pos.filter(pl.col("true_kl") == 0))
+    with pytest.raises(ValueError, match="kl/true > 0"):
+        plots.clipped_mass_vs_divergence(pos.filter(pl.col("kl/true") == 0))
 
 
-def test_accuracy_error_bars_are_se_over_seeds():
+def test_accuracy_band_is_the_95_t_interval_over_seeds():
     s = plots.synthetic_eval_summary(steps=(0, 50), seeds=(0, 1, 2))
     fig = plots.accuracy(s)
     sc = next(d for d in fig.data if d.name == "scaled")
+    band = next(d for d in fig.data if d.name == "scaled 95% interval")
     vals = s.filter(pl.col("clip") == "scaled", pl.col("step") == 50)["acc"].to_numpy()
+    half = 4.3027 * vals.std(ddof=1) / np.sqrt(3)  # t(0.975, 2)
     assert sc.y[1] == pytest.approx(vals.mean())
-    assert sc.error_y.array[1] == pytest.approx(vals.std(ddof=1) / np.sqrt(3))
+    assert sc.customdata[1][0] == pytest.approx(half, rel=1e-3)
+    assert band.y[1] == pytest.approx(vals.mean() + half, rel=1e-3)
     one = plots.accuracy(s.filter(pl.col("seed") == 0))
-    assert list(one.data[0].error_y.array) == [0.0, 0.0]  # a single seed: no bar (se unknown)
+    assert len(one.data) == 4 and all(d.customdata[i][0] == 0.0 for d in one.data for i in range(2))  # one seed: no band
     avg = plots.accuracy(s.rename({"acc": "avg_at_k"}))  # the summarize_eval column works too
     assert "avg_at_k" in avg.layout.yaxis.title.text
 
 
-@pytest.mark.parametrize("fn,col", [(plots.kl_drift, "true_kl"), (plots.loss_sign, "loss"),
-                                    (plots.argmax_clipped, "argmax_clipped_frac"), (plots.grad_cos, "grad_cos")])
+def test_seed_interval_t_quantiles():
+    for df, t in ((1, 12.706), (2, 4.303), (3, 3.182), (9, 2.262), (29, 2.045)):
+        assert plots.t_quantile(df) == pytest.approx(t, abs=2e-3)
+    si = plots.seed_interval([1.0, 2.0, 3.0, 4.0])
+    assert si["lo"] == pytest.approx(2.5 - 3.182 * np.std([1, 2, 3, 4], ddof=1) / 2, abs=2e-3)
+
+
+@pytest.mark.parametrize("fn,col", [(plots.kl_drift, "kl/true"), (plots.loss_by_clip, "loss"), (plots.entry_loss_sign, "entry/loss"),
+                                    (plots.argmax_clipped, "entry/argmax_clipped_frac"), (plots.grad_cos, "update_cos")])
 def test_missing_columns_are_named(metrics, fn, col):
+    drop = [col, "entry/grad_cos"] if col == "update_cos" else [col]
     with pytest.raises(ValueError, match=col):
-        fn(metrics.drop(col))
+        fn(metrics.drop(drop))
     with pytest.raises(ValueError, match="empty"):
         fn(metrics.head(0))
 
 
 def test_plots_never_touch_disk(metrics, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    plots.kl_drift(metrics), plots.loss_sign(metrics), plots.accuracy(plots.synthetic_eval_summary())
+    plots.kl_drift(metrics), plots.loss_by_clip(metrics), plots.entry_loss_sign(metrics), plots.accuracy(plots.synthetic_eval_summary())
     plots.clipped_mass_vs_divergence(plots.synthetic_positions(500))
     assert list(tmp_path.iterdir()) == []
 
@@ -191,7 +239,7 @@ def test_report_html_is_self_contained(built):
     assert "mathjax" not in page.lower() or "cdnjs" not in page
     names = list(report.report_figures(built["metrics"], built["evals"],
                                        plots.synthetic_positions(800).with_columns(pl.lit("entry-s0").alias("run"))))
-    assert names == ["kl_drift", "loss_sign", "argmax_clipped", "grad_cos", "sampled_acc", "clipped_mass_entry-s0", "accuracy_test"]
+    assert names == ["kl_drift", "loss_by_clip", "entry_loss_sign", "argmax_clipped", "grad_cos", "sampled_acc", "clipped_mass_entry", "grad_cos_by_band", "accuracy_test"]
     for name in names:
         assert f'id="fig-{name}"' in page, name
     assert page.count("Plotly.newPlot") == len(names)
@@ -203,20 +251,20 @@ def test_report_table_numbers_come_from_the_frames(built):
     t = report.run_summary(built["metrics"], built["evals"])
     m = built["metrics"].filter(pl.col("run") == "scaled-s1").sort("step")
     r = t.filter(pl.col("run") == "scaled-s1").row(0, named=True)
-    assert r["true_kl_first"] == m["true_kl"][0] and r["true_kl_last"] == m["true_kl"][-1]
-    assert r["loss_last"] == m["loss"][-1] and r["argmax_clipped_last"] == m["argmax_clipped_frac"][-1]
+    assert r["kl_true_first"] == m["kl/true"][0] and r["kl_true_last"] == m["kl/true"][-1]
+    assert r["loss_last"] == m["loss"][-1] and r["entry_argmax_clipped_last"] == m["entry/argmax_clipped_frac"][-1]
     e = built["evals"].filter(pl.col("run") == "scaled-s1")
     assert r["acc_first"] == pytest.approx(e.filter(pl.col("step") == 0)["correct"].mean())
     assert r["acc_last"] == pytest.approx(e.filter(pl.col("step") == 20)["correct"].mean())
     page = built["index"].read_text()
-    assert f"{m['true_kl'][0]:.4g} → {m['true_kl'][-1]:.4g}" in page
+    assert f"{m['kl/true'][0]:.4g} → {m['kl/true'][-1]:.4g}" in page
 
 
 @pytest.mark.skipif(not HAVE_CHROME, reason="no Chrome/Chromium for kaleido")
 def test_report_pngs(built):
     pngs = sorted((built["out"] / "figures").glob("*.png"))
-    assert [p.stem for p in pngs] == sorted(["kl_drift", "loss_sign", "argmax_clipped", "grad_cos", "sampled_acc",
-                                             "clipped_mass_entry-s0", "accuracy_test"])
+    assert [p.stem for p in pngs] == sorted(["kl_drift", "loss_by_clip", "entry_loss_sign", "argmax_clipped", "grad_cos", "sampled_acc",
+                                             "clipped_mass_entry", "grad_cos_by_band", "accuracy_test"])
     for p in pngs:
         w, h = _is_png(p)
         assert w >= 1000 and h >= 400, (p, w, h)
@@ -234,8 +282,8 @@ def test_report_renders_offline_in_chromium(built):
                               "--dump-dom", built["index"].as_uri()], capture_output=True, text=True, timeout=120).stdout
     rendered = set(re.findall(r'id="fig-([^"]+)"[^>]*class="[^"]*js-plotly-plot', dom))
     rendered |= set(re.findall(r'class="[^"]*js-plotly-plot[^"]*"[^>]*id="fig-([^"]+)"', dom))
-    assert len(rendered) == 7, rendered
-    assert dom.count('class="main-svg"') >= 7
+    assert len(rendered) == 9, rendered
+    assert dom.count('class="main-svg"') >= 9
 
 
 def test_report_without_chrome_warns_and_still_writes_html(tmp_path, monkeypatch):
@@ -271,7 +319,7 @@ def _write_run_dir(root: Path, name: str, clip: str, steps=6, positions="jsonl")
             for i in range(4):
                 f.write(json.dumps(dict(run=name, step=step, seed=0, split="test", problem_id=str(i), sample=0,
                                         correct=bool(i % 2), pred=str(i % 2), answer="1")) + "\n")
-    pos = plots.synthetic_positions(300)
+    pos = plots.synthetic_positions(300).drop("run", "clip", "step")
     if positions == "jsonl":  # what opsd.train writes
         with open(d / "positions.jsonl", "w") as f:
             for r in pos.iter_rows(named=True):
@@ -282,12 +330,11 @@ def _write_run_dir(root: Path, name: str, clip: str, steps=6, positions="jsonl")
 
 
 def test_write_report_from_run_folders(tmp_path):
-    pytest.importorskip("opsd.train")
     dirs = [_write_run_dir(tmp_path / "runs", "a", "entry"),
             _write_run_dir(tmp_path / "runs", "b", "scaled", positions="parquet")]
     index = report.write_report(dirs, tmp_path / "rep", title="two runs", png=False)
     page = index.read_text()
-    for fig in ("kl_drift", "loss_sign", "accuracy_test", "clipped_mass_a", "clipped_mass_b"):
+    for fig in ("kl_drift", "loss_by_clip", "accuracy_test", "clipped_mass_entry", "clipped_mass_scaled"):
         assert f'id="fig-{fig}"' in page, fig
     assert "<summary>a</summary>" in page and "<summary>b</summary>" in page
     table = report.run_summary(*[pl.concat([report.load_run(d)[i] for d in dirs], how="diagonal_relaxed") for i in (0, 1)])
@@ -303,11 +350,12 @@ def test_report_of_a_real_training_run(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from opsd.data import qwen3_tokenizer
-    from opsd.eval import extract_boxed, grade, sweep_checkpoints
+    from opsd.eval import grade, sweep_checkpoints
     from opsd.rollout import SamplingConfig
+    from opsd.runs import read_eval, read_metrics, read_positions
     train = pytest.importorskip("opsd.train")
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     tok = qwen3_tokenizer()
     torch.manual_seed(0)
     Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -319,18 +367,20 @@ def test_report_of_a_real_training_run(tmp_path):
     cfg = train.OPSDConfig(model=str(tmp_path / "base"), run_dir=str(tmp_path / "runs" / "tiny"), clip="entry", lora_r=4,
                            lora_alpha=8, lr=1e-2, batch_size=4, micro_batch_size=4, steps=2, save_every=1, dtype="float32",
                            max_completion_length=6, log_positions=16)
-    run = train.OPSDTrainer(cfg, probs, grader=lambda t, a: grade(extract_boxed(t), a, "exact"), progress=False).fit()
-    base, tk = train.load_model(str(tmp_path / "base"), "float32")
-    sweep_checkpoints(run, base, tk, probs[:3], k=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
+    run = train.OPSDTrainer(cfg, probs, grader=lambda t, a: grade(t, a, "exact"), progress=False).fit()
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    sweep_checkpoints(run, base, tok, probs[:3], k=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6), backend="hf", progress=False)
     index = report.write_report([run], tmp_path / "report", png=False)
     page = index.read_text()
-    for name in ("kl_drift", "loss_sign", "argmax_clipped", "grad_cos", "clipped_mass_tiny", "accuracy_test"):
+    m = read_metrics(run).sort("step")
+    for name in ("kl_drift", "loss_by_clip", "entry_loss_sign", "argmax_clipped", "grad_cos", "clipped_mass_entry", "accuracy_test"):
         assert f'id="fig-{name}"' in page, name
-    m = train.read_metrics(run).sort("step")
-    assert f"{m['true_kl'][0]:.4g} → {m['true_kl'][-1]:.4g}" in page  # the table's numbers are the log's
-    figs = report.report_figures(m, train.read_eval(run), train.read_positions(run))
-    assert list(figs["kl_drift"][1].data[0].y) == m["true_kl"].to_list()
-    ev = train.read_eval(run)
+    assert f"{m['kl/true'][0]:.4g} → {m['kl/true'][-1]:.4g}" in page  # the table's numbers are the log's
+    figs = report.report_figures(m, read_eval(run), read_positions(run))
+    assert list(figs["kl_drift"][1].data[0].y) == m["kl/true"].to_list()
+    assert (m["loss"] - m["entry/loss"]).abs().max() < 1e-5  # an entry run's own loss IS the released loss
+    ev = read_eval(run)
     assert sorted(set(ev["step"].to_list())) == [0, 1, 2]
-    acc = figs["accuracy_test"][1].data[0]
-    assert list(acc.y) == [ev.filter(pl.col("step") == s)["correct"].mean() for s in (0, 1, 2)]
+    acc = next(d for d in figs["accuracy_test"][1].data if d.mode == "lines+markers")
+    assert list(acc.y) == pytest.approx([ev.filter(pl.col("step") == s)["correct"].mean() for s in (0, 1, 2)])

@@ -9,8 +9,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from opsd.collate import completion_logits
 from opsd.loss import sampled_token_logprobs
-from opsd.rollout import (HFRollout, Rollout, SamplingConfig, VLLMRollout, finish_rows, left_pad, merged_state_dict,
-                          vllm_sampling_kwargs)
+from opsd.rollout import (HFRollout, Rollout, SamplingConfig, VLLMRollout, finish_rows, make_rollout,
+                          merged_state_dict, resolve_backend, vllm_env, vllm_sampling_kwargs)
 
 torch.set_num_threads(2)
 EOS, PAD = 2, 0
@@ -143,8 +143,6 @@ def test_merged_state_dict_equals_merge_and_unload(model):
 
 def test_helpers():
     assert finish_rows([[4, 2, 0], [4, 5, 6]], 2, 3) == ([[4, 2], [4, 5, 6]], ["stop", "length"])
-    ids, mask = left_pad([[5], [6, 7, 8]], 0, multiple=2)
-    assert ids.tolist() == [[0, 0, 0, 5], [0, 6, 7, 8]] and mask.sum().item() == 4
 
 
 def test_vllm_sampling_kwargs():
@@ -155,45 +153,34 @@ def test_vllm_sampling_kwargs():
     assert (g["temperature"], g["top_k"], g["top_p"], g["logprobs"]) == (0.0, -1, 1.0, None)
 
 
-@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed")
-def test_vllm_missing_is_a_clear_error():
-    with pytest.raises(ImportError, match="needs vLLM"):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_backend_choice_on_cpu(model):
+    "auto -> HF without a GPU; vllm -> an error naming the fix; the trainer's calls exist on HF and change nothing."
+    assert resolve_backend("auto") == "hf" and resolve_backend("hf") == "hf"
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_backend("vLLM")
+    with pytest.raises(RuntimeError, match="rollout='hf'"):
+        resolve_backend("vllm")
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
         VLLMRollout("/nonexistent")
+    tok = type("Ids", (), dict(pad_token_id=PAD, eos_token_id=EOS))()
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        make_rollout("vllm", model, tok, "/nonexistent")
+    ro = make_rollout("auto", model, tok, None, max_model_len=64, gpu_memory_utilization=0.3, sleep=True, seed=0, progress=False)
+    assert isinstance(ro, HFRollout)
+    sc = SamplingConfig(temperature=0, max_new_tokens=6)
+    before = ro.generate(PROMPTS, sc).completion_ids
+    ro.sleep(), ro.wake_up(), ro.sync_weights(model)
+    assert ro.generate(PROMPTS, sc).completion_ids == before
 
 
-@pytest.mark.skipif(not (HAS_VLLM and torch.cuda.is_available()), reason="needs vllm and a CUDA GPU")
-def test_vllm_matches_hf_and_syncs(tmp_path):
-    "Greedy vLLM samples equal HF's, and after sync_weights they follow the LoRA-updated student."
-    model = tiny(vocab=256)
-    model.save_pretrained(tmp_path)
-    sc = SamplingConfig(temperature=0, max_new_tokens=8)
-    v = VLLMRollout(tmp_path, eos_id=EOS, gpu_memory_utilization=0.2, dtype="float32", max_model_len=64,
-                    enforce_eager=True, skip_tokenizer_init=True)
-    r = v.generate(PROMPTS, sc, logprobs=True)
-    check_contract(r, PROMPTS, 8, (EOS,))
-    assert r.completion_ids == HFRollout(model, pad_id=PAD, eos_id=EOS).generate(PROMPTS, sc).completion_ids
-    pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    v.sync_weights(pm)
-    assert v.generate(PROMPTS, sc).completion_ids == HFRollout(pm, pad_id=PAD, eos_id=EOS).generate(PROMPTS, sc).completion_ids
+def test_vllm_env_keeps_user_settings(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    set_now = vllm_env()
+    import os
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1" and "VLLM_USE_FLASHINFER_SAMPLER" not in set_now
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" == set_now["VLLM_ENABLE_V1_MULTIPROCESSING"]
 
 
-def test_padding_report_real_tokenizer():
-    "padding_report end to end: Qwen3 tokenizer (offline), a random tiny model of its vocabulary, JSON-ready output."
-    import json
-    from opsd.data import qwen3_tokenizer
-    from opsd.rollout import format_padding_report, padding_report
-    tok = qwen3_tokenizer()
-    torch.manual_seed(0)
-    m = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)).eval()
-    recs = [dict(problem=f"What is {a} + {b}?", solution=f"{a} + {b} = {a + b}." + " Again." * (3 * a), answer=str(a + b))
-            for a, b in [(1, 2), (9, 4), (5, 6), (2, 7), (3, 3)]]
-    rep = padding_report(m, tok, recs, n=3, seed=1, sampling=SamplingConfig(max_new_tokens=4), gaps=(0, 32))
-    json.dumps(rep)
-    assert rep["n"] == 3 and len(set(rep["record_idx"])) == 3
-    p = rep["perturbation"]
-    assert p["aligned"]["kl_max"] < 1e-9 and p["released"]["kl_mean"] > 1e-9
-    assert p["pad_gap"]["max"] > 0 and rep["gap_sweep"][0]["kl_max"] == 0.0
-    assert "released" in format_padding_report(rep)
-    with pytest.raises(ValueError, match="records row 1"):
-        padding_report(m, tok, [recs[0], dict(problem="x")])
+# the vLLM checks on a GPU are in tests/test_gpu.py

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from opsd.data import QWEN3_CHAT_TEMPLATE, last_boxed, student_prompt, teacher_prompt
-from opsd.toy import (TOY_PROMPT, TOY_SPECIAL_TOKENS, ToyConfig, build_toy_base, generate_completions, load_toy_base,
-                      make_problems, measure_toy, sft_examples, slip_solution, solution_steps, split_of, toy_base_path,
-                      toy_build_info, toy_config, toy_grade, toy_model, toy_tokenizer)
+from opsd.data import student_prompt_ids
+from opsd.toy import (TOY_PROMPT, TOY_SPECIAL_TOKENS, ToyConfig, build_toy_base, load_toy_base, make_problems, measure_toy,
+                      sft_examples, slip_solution, solution_steps, split_of, toy_accuracy, toy_base_path, toy_build_info,
+                      toy_config, toy_model, toy_rollout, toy_tokenizer, torch_threads)
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest (and robust on a shared machine)
 
@@ -106,7 +107,7 @@ def test_tokenizer_chat_template(tok):
 
 # ---------------------------------------------------------------- config and SFT data
 def test_presets():
-    assert toy_config().slip_frac == ToyConfig().slip_frac == 0.35
+    assert toy_config().slip_frac == ToyConfig().slip_frac == 0.2
     assert toy_config("copy").slip_frac == 0.0
     with pytest.raises(ValueError, match="unknown toy preset"):
         toy_config("nope")
@@ -158,11 +159,11 @@ def test_build_cache_load_generate(tmp_path, tok):
     assert isinstance(AutoModelForCausalLM.from_pretrained(path), Qwen3ForCausalLM)
     assert tk.get_vocab() == tok.get_vocab() and tk.chat_template == QWEN3_CHAT_TEMPLATE
     assert model.config.vocab_size % 64 == 0 and model.config.vocab_size >= len(tk)
-    prompts = [student_prompt(tk, p["problem"], TOY_PROMPT) for p in make_problems(4, seed=0, split="test")]
-    outs = generate_completions(model, tk, prompts, max_new_tokens=10)
+    prompts = [student_prompt_ids(tk, p["problem"], TOY_PROMPT) for p in make_problems(4, seed=0, split="test")]
+    outs = toy_rollout(model, tk, prompts, max_new_tokens=10)
     assert len(outs) == 4 and all(0 < len(o) <= 10 for o in outs)
-    samp = generate_completions(model, tk, prompts, max_new_tokens=10, do_sample=True, seed=0)
-    assert samp == generate_completions(model, tk, prompts, max_new_tokens=10, do_sample=True, seed=0)
+    samp = toy_rollout(model, tk, prompts, max_new_tokens=10, temperature=1.0, seed=0)
+    assert samp == toy_rollout(model, tk, prompts, max_new_tokens=10, temperature=1.0, seed=0)
 
     # reproducible: the same config built again gives the same weights
     again = build_toy_base(cfg, cache_dir=tmp_path / "again", progress=False)
@@ -184,10 +185,29 @@ def test_load_missing(tmp_path):
 
 
 def test_measure_and_grade(tok):
-    assert toy_grade("x\n\\boxed{12}", "12") and not toy_grade("\\boxed{12}", "13") and not toy_grade("", "1")
+    probs = make_problems(2, seed=0, split="test")
+    right = tok(probs[0]["solution"] + tok.eos_token, add_special_tokens=False)["input_ids"]
+    wrong = tok("1+1=2\n\\boxed{-7}", add_special_tokens=False)["input_ids"]
+    assert toy_accuracy(tok, [right, wrong], probs) == 0.5 and toy_accuracy(tok, [[], right], probs) == 0.0
     cfg = toy_config(**SMALL)
     model = toy_model(cfg, tok).eval()
     r = measure_toy(model, tok, cfg, n=6)
     assert 0 <= r["student_acc"] <= 1 and 0 <= r["teacher_acc"] <= 1
     assert 0 < r["teacher_top_prob"] <= 1 and 0 < r["student_top_prob"] <= 1
     assert r == measure_toy(model, tok, cfg, n=6)  # fixed held-out set and seeded sampling
+
+
+def test_sft_is_bit_identical_under_any_thread_setting(tmp_path):
+    cfg = toy_config(**SMALL)
+    weights = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        path = build_toy_base(cfg, cache_dir=tmp_path / f"t{n}", progress=False)
+        assert torch.get_num_threads() == n  # the caller's setting is restored
+        weights.append((path / "model.safetensors").read_bytes())
+    torch.set_num_threads(1)
+    assert weights[0] == weights[1]
+    assert toy_build_info(path)["threads"] == cfg.sft_threads
+    with torch_threads(2):
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 1

@@ -5,11 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from opsd.train import OPSDConfig, OPSDTrainer, read_metrics, latest_checkpoint
+from opsd.train import OPSDConfig, OPSDTrainer
+from opsd.runs import read_metrics, latest_checkpoint
 
 from conftest import venv_bin
 
-COLS = ["step", "loss", "true_kl", "entry_clip_loss", "argmax_clipped_frac", "clipped_teacher_mass", "grad_cos", "grad_norm", "lr",
+COLS = ["step", "loss", "kl/true", "entry/loss", "entry/argmax_clipped_frac", "entry/clipped_teacher_mass", "entry/grad_cos", "update_cos", "grad_norm", "lr",
         "completion_len", "tokens"]
 
 
@@ -101,7 +102,7 @@ def test_gradient_accumulation_is_exact(tiny_ckpt, toy_problems, tmp_path):
     assert grads[8][1].dtype == torch.float64 and grads[8][1].abs().max() > 0
     torch.testing.assert_close(grads[2][1], grads[8][1], rtol=1e-9, atol=1e-12)
     assert grads[2][0]["loss"] == pytest.approx(grads[8][0]["loss"], rel=1e-10)
-    assert grads[2][0]["true_kl"] == pytest.approx(grads[8][0]["true_kl"], rel=1e-10)
+    assert grads[2][0]["kl/true"] == pytest.approx(grads[8][0]["kl/true"], rel=1e-10)
 
 
 @pytest.mark.parametrize("teacher", ["fixed", "ema", "live"])
@@ -111,8 +112,8 @@ def test_teacher_modes_and_clips_run(tiny_ckpt, toy_problems, tmp_path, teacher,
                          max_completion_length=8, teacher=teacher, clip=clip, log_positions=8)
     OPSDTrainer(cfg, toy_problems, progress=False).fit()
     m = read_metrics(cfg.run_dir)
-    assert m["step"].to_list() == [1, 2] and m["true_kl"].is_finite().all()
-    assert (m["true_kl"] > 0).all()  # every teacher sees the reference solution, so it differs from the student
+    assert m["step"].to_list() == [1, 2] and m["kl/true"].is_finite().all()
+    assert (m["kl/true"] > 0).all()  # every teacher sees the reference solution, so it differs from the student
     assert (Path(cfg.run_dir) / "positions.jsonl").exists()
 
 
@@ -122,3 +123,10 @@ def test_bad_config_is_a_clear_error(tmp_path):
     y = tmp_path / "c.yaml"; y.write_text("lr: 1e-4\nlearning_rate: 3\n")
     with pytest.raises(ValueError, match="learning_rate"):
         OPSDConfig.from_yaml(y)
+
+
+def test_set_bad_value_is_a_clear_error(tiny_ckpt):
+    "`opsd train --set lr=abc` names the field instead of failing in the optimizer."
+    r = subprocess.run([venv_bin("opsd"), "train", "--model", str(tiny_ckpt), "--data", DATA["path"], "--set", "lr=abc"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "lr='abc'" in (r.stderr + r.stdout) and "Traceback" not in r.stderr

@@ -1,0 +1,150 @@
+"""GPU checks of the vLLM backend (markers `gpu` and `vllm`; skipped where there is no CUDA GPU or no vllm).
+
+One engine serves the whole module (vLLM does not free an engine cleanly inside one process):
+* after `sync_weights` of a peft student with non-zero LoRA, vLLM's greedy completions equal HF greedy of the merged
+  student, and the first token's log-probability agrees (rows may part only at a near-tie of the HF logits);
+* seeded sampling repeats, another seed differs;
+* sleep (level 2: weights discarded) then `sync_weights` gives the same greedy completions; generate after a sleep
+  reloads the weights from the source model by itself;
+* evaluation through vLLM of a tiny run (base + one LoRA checkpoint) in the same engine.
+"""
+import copy
+import json
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("vllm")
+
+from opsd.rollout import HFRollout, SamplingConfig, make_rollout, resolve_backend  # noqa: E402
+
+DTYPE = "float32"  # exact comparison; bf16 kernels of the two engines differ by rounding (near-ties then part ways)
+TIE = 1e-3 if DTYPE == "float32" else 0.25  # HF logit gap under which two tokens count as tied
+LP_TOL = 5e-3 if DTYPE == "float32" else 0.1
+PROBLEMS = [dict(problem=f"What is {a} + {b}?", answer=str(a + b), solution=f"{a} + {b} = {a + b}.") for a, b in
+            [(1, 2), (3, 4), (10, 5), (7, 7), (12, 30), (2, 9)]]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from opsd.data import qwen3_tokenizer, student_prompt_ids
+
+    tok = qwen3_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
+                      initializer_range=0.1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    base = Qwen3ForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("base")
+    base.save_pretrained(path), tok.save_pretrained(path)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                      init_lora_weights=False)
+    student = get_peft_model(copy.deepcopy(base), lora).to(getattr(torch, DTYPE)).cuda().eval()
+    ro = make_rollout("vllm", student, tok, str(path), max_model_len=512, gpu_memory_utilization=0.25, sleep=True, seed=0,
+                      progress=False, dtype=DTYPE, enforce_eager=True)
+    prompts = [student_prompt_ids(tok, p["problem"]) for p in PROBLEMS]
+    return dict(tok=tok, base=base, path=path, student=student, ro=ro, prompts=prompts)
+
+
+def test_auto_picks_vllm():
+    assert resolve_backend("auto") == "vllm"
+
+
+def _check_greedy_equal(model, prompts, got, eos, tok):
+    "vLLM's greedy rows equal HF's, except where they part at a near-tie of HF's logits."
+    sc = SamplingConfig(temperature=0, max_new_tokens=len(max(got, key=len)) or 1)
+    want = HFRollout(model, tok, fast=False, progress=False).generate(prompts, sc).completion_ids
+    parted = 0
+    for p, a, b in zip(prompts, want, got):
+        if a == b: continue
+        d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert d < min(len(a), len(b)), f"one row is a prefix of the other: {a} vs {b}"
+        with torch.no_grad():
+            z = model(torch.tensor([p + a[:d]], device="cuda")).logits[0, -1].float()
+        gap = float(z[a[d]] - z[b[d]])
+        assert gap < TIE, f"rows part at step {d} where HF prefers {a[d]} over {b[d]} by {gap:.4g} (not a tie)"
+        parted += 1
+    assert parted <= len(prompts) // 3, f"{parted} of {len(prompts)} rows part"
+    return want
+
+
+def test_sync_weights_then_greedy_equals_merged_hf(setup):
+    s = setup
+    ro, student, tok = s["ro"], s["student"], s["tok"]
+    sc = SamplingConfig(temperature=0, max_new_tokens=48)
+    base_rows = ro.generate(s["prompts"], sc).completion_ids  # the engine holds the base weights from disk
+    ro.sync_weights(student)
+    out = ro.generate(s["prompts"], sc, logprobs=True)
+    assert out.completion_ids != base_rows, "non-zero LoRA must change the greedy completions"
+    merged = copy.deepcopy(student).merge_and_unload().eval()
+    _check_greedy_equal(merged, s["prompts"], out.completion_ids, tok.eos_token_id, tok)
+    # the first token's log-probability under the merged student
+    for p, c, lp in zip(s["prompts"], out.completion_ids, out.logprobs):
+        with torch.no_grad():
+            z = merged(torch.tensor([p], device="cuda")).logits[0, -1].float()
+        ref = torch.log_softmax(z, -1)[c[0]].item()
+        assert abs(lp[0] - ref) < LP_TOL, (lp[0], ref)
+
+
+def test_seeded_sampling_repeats(setup):
+    ro = setup["ro"]
+    ro.sync_weights(setup["student"])
+    sc = SamplingConfig(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=32, seed=5)
+    a = ro.generate(setup["prompts"], sc).completion_ids
+    b = ro.generate(setup["prompts"], sc).completion_ids
+    c = ro.generate(setup["prompts"], SamplingConfig(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=32, seed=6)).completion_ids
+    assert a == b
+    assert a != c
+
+
+def test_sleep_and_sync(setup):
+    ro, student = setup["ro"], setup["student"]
+    sc = SamplingConfig(temperature=0, max_new_tokens=24)
+    ro.sync_weights(student)
+    ref = ro.generate(setup["prompts"], sc).completion_ids
+    free0 = torch.cuda.mem_get_info()[0]
+    ro.sleep()  # level 2: the source model can refill the weights
+    assert ro.asleep == 2 and not ro.weights_valid
+    freed = torch.cuda.mem_get_info()[0] - free0
+    assert freed > 0, "sleep should free GPU memory"
+    ro.sync_weights(student)  # the trainer's order: sleep, train, sync
+    assert ro.asleep == 0 and ro.weights_valid
+    assert ro.generate(setup["prompts"], sc).completion_ids == ref
+    ro.sleep()
+    assert ro.generate(setup["prompts"], sc).completion_ids == ref  # generate after a sleep reloads from the source
+    print(f"sleep freed {freed / 2**30:.2f} GiB")
+
+
+def test_eval_through_vllm_one_engine(setup, tmp_path):
+    from opsd.eval import eval_runs, evaluate
+    from opsd.runs import RunDir, read_eval
+
+    s = setup
+    run = RunDir(tmp_path / "tiny-run")
+    run.write_config(dict(model=str(s["path"]), dtype=DTYPE, name="tiny-run", seed=0))
+    s["student"].save_pretrained(run.checkpoints_dir / "step-1")
+    raw = lambda text: text.strip() or None
+    greedy = SamplingConfig(temperature=0, max_new_tokens=16)
+    summary = eval_runs([run.path], PROBLEMS, k=2, seeds=(0,), backend=s["ro"], grade_mode="exact", sampling=greedy,
+                        extract_fn=raw, progress=False)
+    assert summary["step"].to_list() == [0, 1]
+    rows = read_eval(run.path)
+    assert rows.height == 2 * len(PROBLEMS) * 2
+    # step 1 in the shared engine = the student synced directly
+    s["ro"].sync_weights(s["student"])
+    direct = evaluate(s["student"], s["tok"], PROBLEMS, k=2, seed=0, backend=s["ro"], sampling=greedy, extract_fn=raw)
+    step1 = rows.filter(rows["step"] == 1).sort("problem_id", "sample")
+    assert step1["pred"].to_list() == direct.sort("problem_id", "sample")["pred"].to_list()
+    assert step1["pred"].to_list() != rows.filter(rows["step"] == 0).sort("problem_id", "sample")["pred"].to_list()
+    # a seeded sampled evaluation repeats in the same engine
+    a = evaluate(s["student"], s["tok"], PROBLEMS, k=3, seed=4, backend=s["ro"], max_new_tokens=16, extract_fn=raw)
+    b = evaluate(s["student"], s["tok"], PROBLEMS, k=3, seed=4, backend=s["ro"], max_new_tokens=16, extract_fn=raw)
+    assert a.equals(b)
