@@ -30,13 +30,13 @@ def _eval(model, tok, probs, pc, seeds, greedy=True):
     accs = []
     for s in seeds:
         r = ro.generate(ids, SamplingConfig(temperature=1.0, top_p=0.95, top_k=0, max_new_tokens=64, seed=s))
-        accs.append(sum(grade(extract_boxed(tok.decode(c, skip_special_tokens=True)), p["answer"], mode="exact")
+        accs.append(sum(grade(tok.decode(c, skip_special_tokens=True), p["answer"], mode="exact")
                         for c, p in zip(r.completion_ids, probs)) / len(probs))
     out["acc"] = sum(accs) / len(accs)
     out["acc_seeds"] = accs
     if greedy:
         r = ro.generate(ids, SamplingConfig(temperature=0.0, max_new_tokens=64))
-        out["greedy"] = sum(grade(extract_boxed(tok.decode(c, skip_special_tokens=True)), p["answer"], mode="exact")
+        out["greedy"] = sum(grade(tok.decode(c, skip_special_tokens=True), p["answer"], mode="exact")
                             for c, p in zip(r.completion_ids, probs)) / len(probs)
     return out
 
