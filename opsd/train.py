@@ -13,12 +13,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .loss import opsd_loss, sampled_token_loss, sampled_token_logprobs, masked_sum, CLIP_MODES
+from .loss import sampled_token_loss, sampled_token_logprobs, CLIP_MODES
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_frame, POSITION_KEYS, METRIC_NAMES
 from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_problems
 from .collate import collate, batch_logits, PAD_MODES
 from .rollout import SamplingConfig, make_rollout, resolve_backend
-from .runs import RunDir, read_metrics, read_positions, read_eval, read_config, latest_checkpoint, checkpoint_step
+from .runs import RunDir, read_metrics
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS', 'DTYPES',
