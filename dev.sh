@@ -4,6 +4,7 @@
 #   bash dev.sh test                       check notebooks == package, run nbdev_test and pytest
 #   bash dev.sh opsd ARGS...               any opsd command inside the project's environment
 #   bash dev.sh readme                     regenerate README.md from nbs/index.ipynb
+#   bash dev.sh docs                       offline HTML pages of all notebooks in _docs_offline/ (no quarto)
 # Both create (once) and reuse a local virtual environment in .venv, installing torch's CPU
 # wheel first where there is no GPU, then the pinned set in requirements-cpu.txt.
 set -euo pipefail
@@ -65,6 +66,14 @@ readme() {  # README.md from nbs/index.ipynb (nbdev_readme needs quarto, which i
   echo "[dev.sh] README.md written from nbs/index.ipynb"
 }
 
+docs() {  # nbdev_docs needs quarto (not installable offline): standalone pages with local MathJax and PNG figures
+  local nbs=()
+  while IFS= read -r nb; do nbs+=("$nb"); done < <(find nbs -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' | sort)
+  "$PY" tools/render_docs.py --out _docs_offline "${nbs[@]}" >/dev/null
+  echo "[dev.sh] ${#nbs[@]} notebooks rendered (not executed) to _docs_offline/"
+  echo "[dev.sh] index: $PWD/_docs_offline/index.html   contents: $PWD/_docs_offline/contents.html"
+}
+
 cmd="${1:-help}"; shift || true
 case "$cmd" in
   demo) setup; chromium; exec "$VENV/bin/opsd" demo "$@" ;;
@@ -72,5 +81,6 @@ case "$cmd" in
   opsd) setup; exec "$VENV/bin/opsd" "$@" ;;
   setup) setup ;;
   readme) setup; readme ;;
-  *) sed -n '2,9p' "$0"; exit 2 ;;
+  docs) setup; docs ;;
+  *) sed -n '2,10p' "$0"; exit 2 ;;
 esac

@@ -294,7 +294,7 @@ E2E_COMMON = dict(clip="entry", tau=0.05, batch_size=32, max_completion_length=1
                   log_positions=0, teacher="fixed", lora_r=64, lora_alpha=128, dtype="bfloat16")
 E2E_VARIANTS = {
     "released": dict(padding="released", fused=False, checkpointing=1.0, bf16_adapters=False, micro_batch_size=4),
-    "opsd best": dict(padding="aligned", fused=True, checkpointing=0.0, bf16_adapters=True, micro_batch_size=4),
+    "opsd best": dict(padding="aligned", fused=True, checkpointing=0.0, bf16_adapters=True, micro_batch_size=8),  # 8: measured on the H200 below
 }
 
 @contextmanager

@@ -32,7 +32,7 @@ class DemoRecipe:
     max_grad_norm: float = 1.0
     save_every: int = 25 # checkpoint (and evaluation) interval
     n_eval: int = 200 # held-out problems
-    k: int = 4 # samples per held-out problem (avg@k)
+    k: int = 2 # samples per held-out problem (avg@k; 2 keeps the default demo within 10 minutes on 2 cores)
     log_positions: int = 64 # per-position samples per step (finding 3)
     eval_seed: int = 0 # evaluation sampling seed (the same for every checkpoint: paired comparisons)
 
@@ -75,34 +75,43 @@ def job_config(job:dict):
 def run_job(job:dict, # from `demo_jobs`
             threads:int=1, # torch threads of this process
             progress:bool=False,
+            phase:str="both", # 'train', 'eval' (step 0 and every checkpoint on the held-out set) or 'both'
            )->dict:
-    "Train one demo run (resuming a finished or interrupted one) and evaluate step 0 and every checkpoint."
+    "Train one demo run (resuming a finished or interrupted one) and/or evaluate step 0 and every checkpoint."
+    if phase not in ("train", "eval", "both"): raise ValueError(f"run_job: phase must be train, eval or both, got {phase!r}")
     import torch
     torch.set_num_threads(threads)
     from opsd.toy import make_problems, toy_config, TOY_PROMPT
     from opsd.train import OPSDTrainer
     from opsd.eval import grade, sweep_checkpoints, default_eval_sampling
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    t0 = time.perf_counter()
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # no "Loading weights" bars from the workers
     cfg = job_config(job); r = job["recipe"]
     path = _toy_base(job["teacher"], job["toy"])
     kw = toy_config(job["teacher"], **job["toy"]).problem_kw()
-    train_set = make_problems(2000, seed=job["seed"], split="train", **kw)
-    test_set = make_problems(r["n_eval"], seed=10_000, split="test", **kw)  # one held-out set for every run
-    OPSDTrainer(cfg, train_set, model_path=str(path), grader=lambda t, a: grade(t, a, mode="exact"),
-                prompt_config=TOY_PROMPT, progress=progress).fit(resume=True)
-    t1 = time.perf_counter()
-    base = AutoModelForCausalLM.from_pretrained(path).eval(); tok = AutoTokenizer.from_pretrained(path)
-    sweep_checkpoints(cfg.run_dir, base, tok, test_set, k=r["k"], seeds=(r["eval_seed"],), grade_mode="exact",
-                      sampling=default_eval_sampling(r["eval_seed"], max_new_tokens=cfg.max_completion_length),
-                      prompt_cfg=TOY_PROMPT, backend="hf", batch_size=256, progress=False)
-    return dict(name=job["name"], run_dir=cfg.run_dir, train_s=round(t1 - t0, 1), eval_s=round(time.perf_counter() - t1, 1))
+    out = dict(name=job["name"], run_dir=cfg.run_dir)
+    if phase in ("train", "both"):
+        t0 = time.perf_counter()
+        train_set = make_problems(2000, seed=job["seed"], split="train", **kw)
+        OPSDTrainer(cfg, train_set, model_path=str(path), grader=lambda t, a: grade(t, a, mode="exact"),
+                    prompt_config=TOY_PROMPT, progress=progress).fit(resume=True)
+        out["train_s"] = round(time.perf_counter() - t0, 1)
+    if phase in ("eval", "both"):
+        t1 = time.perf_counter()
+        test_set = make_problems(r["n_eval"], seed=10_000, split="test", **kw)  # one held-out set for every run
+        base = AutoModelForCausalLM.from_pretrained(path).eval(); tok = AutoTokenizer.from_pretrained(path)
+        sweep_checkpoints(cfg.run_dir, base, tok, test_set, k=r["k"], seeds=(r["eval_seed"],), grade_mode="exact",
+                          sampling=default_eval_sampling(r["eval_seed"], max_new_tokens=cfg.max_completion_length),
+                          prompt_cfg=TOY_PROMPT, backend="hf", batch_size=256, progress=False)
+        out["eval_s"] = round(time.perf_counter() - t1, 1)
+    return out
 
 # %% ../nbs/10b_demo.ipynb #42134a15
 def run_jobs(jobs:list[dict], workers:int|None=None, # processes; None = the machine's cores
              progress:bool=True)->list[dict]:
     "Run demo jobs (bases first, then one process per run); returns their timing records in job order."
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import ProcessPoolExecutor, wait, FIRST_COMPLETED
     import multiprocessing as mp
     workers = workers or os.cpu_count() or 1
     for teacher, toy in {(j["teacher"], json.dumps(j["toy"], sort_keys=True)) for j in jobs}:
@@ -110,18 +119,27 @@ def run_jobs(jobs:list[dict], workers:int|None=None, # processes; None = the mac
         _toy_base(teacher, json.loads(toy), progress=progress)
         if progress: print(f"[opsd demo] toy base '{teacher}' ready ({time.perf_counter() - t0:.0f} s)", flush=True)
     done = {}
+    say = lambda r: progress and print(f"[opsd demo] {r['name']}: train {r['train_s']:.0f} s, eval {r['eval_s']:.0f} s "
+                                       f"({len(done)}/{len(jobs)})", flush=True)
     if workers <= 1:
         for j in jobs:
-            done[j["name"]] = run_job(j)
-            if progress: print(f"[opsd demo] {j['name']}: train {done[j['name']]['train_s']:.0f} s, eval {done[j['name']]['eval_s']:.0f} s", flush=True)
+            done[j["name"]] = run_job(j); say(done[j["name"]])
     else:
         from opsd.demo import run_job as job_fn  # the module's function: a pool pickles it by name (also from a notebook)
+        by_name, train_s = {j["name"]: j for j in jobs}, {}
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-            futs = {ex.submit(job_fn, j): j["name"] for j in jobs}
-            for f in as_completed(futs):
-                r = f.result(); done[r["name"]] = r
-                if progress: print(f"[opsd demo] {r['name']}: train {r['train_s']:.0f} s, eval {r['eval_s']:.0f} s "
-                                   f"({len(done)}/{len(jobs)})", flush=True)
+            # every training first, each run's evaluation queued as soon as its training ends: the short
+            # evaluations fill the pool's tail instead of one long run finishing alone on one core
+            pending = {ex.submit(job_fn, j, phase="train") for j in jobs}
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    r = f.result()
+                    if "eval_s" not in r:
+                        train_s[r["name"]] = r["train_s"]
+                        pending.add(ex.submit(job_fn, by_name[r["name"]], phase="eval"))
+                    else:
+                        done[r["name"]] = {**r, "train_s": train_s[r["name"]]}; say(done[r["name"]])
     return [done[j["name"]] for j in jobs]
 
 # %% ../nbs/10b_demo.ipynb #ba664c32
@@ -165,7 +183,7 @@ def seed_effects(metrics:pl.DataFrame, evals:pl.DataFrame, window:int=10)->pl.Da
     rows = []
     for (run,), g in metrics.sort("step").group_by(["run"], maintain_order=True):
         w = max(1, min(window, g.height // 2))
-        first, last = g.head(w), g.tail(w)
+        first, last = g.head(1), g.tail(w)  # step 1: the base policy on its own samples (the same for every clip of a seed)
         mean = lambda f, c: float(f[c].mean()) if c in f.columns and f[c].drop_nulls().len() else float("nan")
         row = {k: g[k][0] for k in ("teacher", "clip", "seed", "scheduler") if k in g.columns}
         row.update(run=run, steps=int(g["step"].max()), kl_first=mean(first, "kl/true"), kl_last=mean(last, "kl/true"),
@@ -199,9 +217,9 @@ def effect_table(effects:pl.DataFrame, by:Sequence[str]=("teacher", "clip"), col
 
 # %% ../nbs/10b_demo.ipynb #bee69a3e
 _LABELS = {"acc_change": "held-out acc change (last - step 0)", "acc_best_change": "best checkpoint acc change",
-           "kl_change": "true KL change (last - first steps)", "loss_neg_steps": "share of steps with own loss < 0",
+           "kl_change": "true KL change (last 10 steps - step 1)", "loss_neg_steps": "share of steps with own loss < 0",
            "entry_loss_last": "released entry loss on the run's logits (last steps)",
-           "entry_neg_change": "entry: negative-loss share change", "argmax_clipped_change": "entry: teacher-argmax clipped change"}
+           "entry_neg_change": "entry: negative-loss share change from step 1", "argmax_clipped_change": "entry: teacher-argmax clipped change from step 1"}
 
 def _fmt_row(r:dict, pct:bool)->str:
     f = (lambda x: f"{100 * x:+.1f}") if pct else (lambda x: f"{x:+.4f}")

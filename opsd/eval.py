@@ -224,7 +224,7 @@ def eval_backend(backend, model, tokenizer, model_path=None, max_model_len: int 
 
     t0 = time.perf_counter()
     ro = make_rollout(backend, model, tokenizer, model_path, max_model_len=max_model_len, gpu_memory_utilization=vllm_memory,
-                      sleep=False, seed=seed, progress=progress, batch_size=batch_size)
+                      sleep=False, seed=seed, progress=progress, batch_size=batch_size, merged=True)
     if progress:
         print(f"[opsd eval] {type(ro).__name__} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     return ro

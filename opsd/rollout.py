@@ -90,6 +90,7 @@ class HFRollout:
                  fast: bool | None = None, # static cache + compile; None: on CUDA only
                  pad_multiple: int = 64, # prompt width rounding with the static cache
                  progress: bool = True, # tqdm bar over chunks when there are several
+                 merged: bool = False, # generate with a plain copy holding the LoRA-merged weights, refreshed by `sync_weights`
                 ):
         tp, te = pad_eos_ids(tokenizer) if tokenizer is not None else (None, None)
         self.pad_id = pad_id if pad_id is not None else tp
@@ -97,13 +98,28 @@ class HFRollout:
         if self.pad_id is None: self.pad_id = next(iter(eos_set(self.eos_id)), None)
         if self.pad_id is None or not eos_set(self.eos_id): raise ValueError("HFRollout needs pad and eos ids: pass a tokenizer or pad_id/eos_id")
         self.model, self.batch_size, self.fast, self.pad_multiple, self.progress = model, batch_size, fast, pad_multiple, progress
+        self.merged, self._copy = merged, None
+        if merged: self.sync_weights()
 
     @property
     def device(self): return next(self.model.parameters()).device
 
+    @property
+    def gen_model(self):
+        "The model that generates: the merged copy (merged=True, peft model) or the model itself."
+        return self._copy if self._copy is not None else self.model
+
     def sync_weights(self, model=None):
-        "Nothing to copy: generation uses the training model itself (optionally replace it)."
+        "Optionally replace the model; with `merged=True` refresh the plain copy from its merged weights, else nothing to copy."
         if model is not None: self.model = model
+        if not self.merged: return
+        if not hasattr(self.model, "get_base_model"): self._copy = None; return  # a plain model generates as is
+        sd = merged_state_dict(self.model)
+        if self._copy is None or self._copy.state_dict().keys() != sd.keys():
+            import copy
+            self._copy = copy.deepcopy(self.model).merge_and_unload().eval().requires_grad_(False)
+        else:
+            self._copy.load_state_dict(sd)
 
     def sleep(self, level: int | None = None):
         "Nothing to free: the model is the training model (same interface as `VLLMRollout`)."
@@ -141,7 +157,8 @@ class HFRollout:
         if self.progress and len(chunks) > 1:
             from tqdm import tqdm
             it = tqdm(chunks, desc="rollout", unit="batch")
-        was_training = self.model.training; self.model.eval()
+        gm = self.gen_model
+        was_training = gm.training; gm.eval()
         comps, why, lps = [], [], [] if logprobs else None
         t0 = time.perf_counter()
         try:
@@ -150,7 +167,7 @@ class HFRollout:
                 ids, mask = ids.to(dev), mask.to(dev)
                 with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
                     torch.manual_seed(seed)
-                    out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+                    out = gm.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
                 new = out.sequences[:, ids.shape[1]:].tolist()
                 c, w = finish_rows(new, self.eos_id, sampling.max_new_tokens)
                 comps += c; why += w
@@ -160,7 +177,7 @@ class HFRollout:
                     lp = sampled_token_logprobs(z, tok[:, :z.shape[1]], T).tolist()
                     lps += [row[:len(ci)] for row, ci in zip(lp, c)]
         finally:
-            self.model.train(was_training)
+            gm.train(was_training)
         if dev.type == "cuda": torch.cuda.synchronize(dev)
         secs = time.perf_counter() - t0
         n_tok = sum(len(c) for c in comps)
@@ -370,11 +387,12 @@ def make_rollout(backend: str, # 'auto', 'hf' or 'vllm'
                  seed: int = 0, # vLLM engine seed
                  progress: bool = False, # progress bars
                  batch_size: int = 64, # HF: prompts per generate call
+                 merged: bool = False, # HF: generate with a LoRA-merged copy (see `HFRollout`)
                  **engine_kw, # vLLM: more `VLLMRollout`/`vllm.LLM` arguments (dtype, enforce_eager, ...)
                 ) -> "HFRollout | VLLMRollout":
     "The rollout backend for a config: `HFRollout` or `VLLMRollout`, both with generate/sync_weights/sleep/wake_up."
     name = resolve_backend(backend)
-    if name == "hf": return HFRollout(model, tokenizer, batch_size=batch_size, progress=progress)
+    if name == "hf": return HFRollout(model, tokenizer, batch_size=batch_size, progress=progress, merged=merged)
     path = model_path or _model_path_of(model)
     if path is None: raise ValueError("make_rollout('vllm'): pass model_path, the local folder of the base model")
     return VLLMRollout(path, tokenizer, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep,

@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_train.ipynb #81ecd379
 from __future__ import annotations
-import dataclasses, json, math, os, random, shutil, signal, time
+import dataclasses, json, math, os, random, shutil, signal, time, warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -190,7 +190,9 @@ def add_lora(model, cfg: OPSDConfig):
     if not targets: raise ValueError(f"none of lora_targets {cfg.lora_targets} exist in the model")
     lc = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets, bias="none",
                     task_type="CAUSAL_LM")
-    return get_peft_model(model, lc)
+    with warnings.catch_warnings():  # peft still asks for the deprecated `is_gradient_checkpointing` property
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, lc)
 
 def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -203,8 +205,11 @@ def decoder_of(model):
 def set_checkpointing(model, share: float):
     "Gradient checkpointing on the first round(share * layers) decoder layers (0: off)."
     dec, lm = decoder_of(model)
-    if share <= 0: lm.gradient_checkpointing_disable(); return 0
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    new_api = hasattr(lm, "activation_checkpointing_enable")  # transformers >= 5.2x renamed gradient_checkpointing_*
+    if share <= 0:
+        (lm.activation_checkpointing_disable if new_api else lm.gradient_checkpointing_disable)(); return 0
+    if new_api: lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else: lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     k = round(share * len(dec.layers))
     for i, layer in enumerate(dec.layers): layer.gradient_checkpointing = i < k
     return k
@@ -356,7 +361,8 @@ class OPSDTrainer:
         if backend == "vllm":   # the engine is sized for the longest student prompt plus the completion budget
             max_len = max(len(self.prompts(i)[0]) for i in range(len(self.problems))) + self.cfg.max_completion_length
         return make_rollout(backend, self.unwrapped, self.tok, self.model_path, max_model_len=max_len,
-                            gpu_memory_utilization=self.cfg.vllm_memory, sleep=self.cfg.vllm_sleep, seed=self.cfg.seed, progress=False)
+                            gpu_memory_utilization=self.cfg.vllm_memory, sleep=self.cfg.vllm_sleep, seed=self.cfg.seed, progress=False,
+                            merged=True)  # HF: a LoRA-merged copy generates (fewer ops per decoding step); `sync` refreshes it
 
     # -- part 1: plan ------------------------------------------------------------------------------------------
     def prompts(self, i: int) -> tuple[list[int], list[int]]:

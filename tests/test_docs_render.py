@@ -1,0 +1,141 @@
+"""The offline render of nbs/00_loss.ipynb (tools/render_docs.py) shows its formulas and its figure with the network off.
+
+Static checks on the HTML (no remote script/stylesheet, MathJax is a local file, the figure is an embedded PNG), then,
+where Debian's `chromium` is installed, the page is loaded headless with every network request refused and the DOM
+after MathJax ran is checked: typeset math, no raw `$` left in the prose. A control page that loads MathJax from the
+CDN instead must come out untypeset, which shows the network really is off and the DOM check can fail.
+"""
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NB = ROOT / "nbs" / "00_loss.ipynb"
+CDN_MATHJAX = "https://cdnjs.cloudflare.com/ajax/libs/mathjax/2.7.7/latest.js?config=TeX-AMS_CHTML-full,Safe"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("render_docs", ROOT / "tools" / "render_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Page(HTMLParser):
+    "Script/stylesheet/image references, the text of rendered markdown (outside code) and MathJax's elements."
+    SKIP = {"script", "style", "code", "pre"}
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.scripts, self.styles, self.imgs, self.classes, self.math_scripts = [], [], [], [], 0
+        self.md_text, self._stack = [], []  # stack of (tag, in_markdown, skipping)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        cls = (a.get("class") or "").split()
+        self.classes += cls
+        if tag == "script":
+            if a.get("src") is not None:
+                self.scripts.append(a["src"])
+            if (a.get("type") or "").startswith("math/tex"):
+                self.math_scripts += 1
+        if tag == "link" and "stylesheet" in (a.get("rel") or ""):
+            self.styles.append(a.get("href") or "")
+        if tag == "img":
+            self.imgs.append(a.get("src") or "")
+        if tag in self.VOID:
+            return
+        md, skip = self._stack[-1][1:] if self._stack else (False, False)
+        self._stack.append((tag, md or "jp-RenderedMarkdown" in cls, skip or tag in self.SKIP))
+
+    def handle_endtag(self, tag):
+        if tag in self.VOID:
+            return
+        while self._stack:
+            if self._stack.pop()[0] == tag:
+                break
+
+    def handle_data(self, data):
+        if self._stack and self._stack[-1][1] and not self._stack[-1][2]:
+            self.md_text.append(data)
+
+
+def _parse(text):
+    p = _Page()
+    p.feed(text)
+    return p
+
+
+def _dom(chromium, html_path: Path, profile: Path) -> str:
+    "The DOM after load (and MathJax), every network request refused (dead proxy, no name resolution)."
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
+           "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>", "--host-resolver-rules=MAP * ~NOTFOUND",
+           "--virtual-time-budget=10000", "--dump-dom", html_path.as_uri()]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0 and "<html" in r.stdout, r.stderr[-2000:]
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    out = tmp_path_factory.mktemp("docs")
+    rd = _tool()
+    rd.copy_mathjax(out)
+    return out, rd.render(NB, out)
+
+
+def _expected():
+    "What the notebook holds: PNG figures (in shown cells) and display math."
+    nb = json.loads(NB.read_text())
+    pngs = sum("image/png" in o.get("data", {}) for c in nb["cells"] if c["cell_type"] == "code"
+               and not re.search(r"^\s*#\|\s*hide", "".join(c["source"]), re.M) for o in c.get("outputs", []))
+    md = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    return pngs, md.count("$$") // 2, md
+
+
+def test_html_is_self_contained(rendered):
+    out, page = rendered
+    text = page.read_text()
+    p = _parse(text)
+    remote = [u for u in p.scripts + p.styles if re.match(r"(https?:)?//", u)]
+    assert not remote, f"page loads remote scripts/styles: {remote}"
+    assert "import(\"http" not in text and "cdn.plot.ly" not in text and "Plotly.newPlot" not in text
+    mj = [s for s in p.scripts if "MathJax.js" in s]
+    assert len(mj) == 1, p.scripts
+    assert (page.parent / mj[0].split("?")[0]).is_file(), f"MathJax not copied next to the page: {mj[0]}"
+    pngs, _, md = _expected()
+    assert pngs >= 1 and "$" in md  # the notebook has a figure and formulas to show
+    embedded = [s for s in p.imgs if s.startswith("data:image/png;base64,")]
+    assert len(embedded) >= pngs, f"{len(embedded)} embedded PNGs, the notebook has {pngs}"
+    assert all(not re.match(r"(https?:)?//", s) for s in p.imgs)
+
+
+def test_math_typesets_offline_in_chromium(rendered, tmp_path):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no chromium binary")
+    out, page = rendered
+    _, n_display, _ = _expected()
+
+    dom = _parse(_dom(chromium, page, tmp_path / "profile"))
+    n_math = dom.classes.count("MathJax")  # MathJax 2 HTML-CSS output: one span.MathJax per formula
+    assert dom.math_scripts > 20 and n_math == dom.math_scripts, (n_math, dom.math_scripts)
+    assert dom.classes.count("MathJax_Display") >= n_display >= 1
+    assert "merror" not in dom.classes and "MathJax_Error" not in dom.classes
+    prose = " ".join(dom.md_text)
+    assert len(prose) > 1000 and "$" not in prose, "raw TeX delimiters left in the rendered markdown"
+
+    # control: the same page with MathJax from the CDN must stay untypeset (the network is off, the check can fail)
+    control = page.with_name("control_cdn.html")
+    text = page.read_text()
+    src = re.search(r'<script src="([^"]*MathJax\.js[^"]*)"', text).group(1)
+    control.write_text(text.replace(src, CDN_MATHJAX))
+    bad = _parse(_dom(chromium, control, tmp_path / "profile2"))
+    assert bad.classes.count("MathJax") == 0 and "$" in " ".join(bad.md_text)
