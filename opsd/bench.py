@@ -100,6 +100,9 @@ def run_loss_variant(name: str, hs, ht, w, labels, chunk_size=None, **kw):
         compile = {"fused_eager": False, "fused_compiled": True}.get(name)
         loss, _ = fused_divergence(hs, ht, w, labels, chunk_size=chunk_size, diagnostics=name != "fused_nodiag", compile=compile,
                                    closed_form=name == "fused_closed", **kw)
+    elif name == "fused_triton":                                    # the chunk math as one Triton kernel (CUDA; opsd.fused_triton)
+        from opsd.fused_triton import fused_divergence_triton          # imported here: only this variant needs triton
+        loss, _ = fused_divergence_triton(hs, ht, w, labels, chunk_size=chunk_size, diagnostics=True, **kw)
     else: raise ValueError(f"unknown loss variant {name!r}")
     loss.backward()
     return loss
@@ -162,7 +165,7 @@ def loss_bench_cpu(n: int = 1024, hidden: int = 256, vocab: int = 32768, reps: i
     return rows
 
 def loss_bench_cuda(sizes=(2048, 8192), hidden: int = 2048, vocab: int = 151936, reps: int = 10, chunk_size=None,
-                    variants=("naive_bf16", "naive_fp32", "fused", "fused_nodiag", "fused_eager"), device="cuda") -> list[dict]:
+                    variants=("naive_bf16", "naive_fp32", "fused", "fused_nodiag", "fused_eager", "fused_triton"), device="cuda") -> list[dict]:
     "Every GPU loss variant at each size, in this process: median ms, peak extra bytes, gradient error."
     rows = []
     for n in sizes:
@@ -296,6 +299,7 @@ E2E_VARIANTS = {
     "released": dict(padding="released", fused=False, checkpointing=1.0, bf16_adapters=False, micro_batch_size=4),
     "opsd best": dict(padding="aligned", fused=True, checkpointing=0.0, bf16_adapters=True, micro_batch_size=8),  # 8: measured on the H200 below
 }
+E2E_VARIANTS["opsd best (torch loss)"] = dict(E2E_VARIANTS["opsd best"], fused_kernel="torch")  # the compiled torch chunk math instead of the Triton kernel
 
 @contextmanager
 def _shared_rollout(ro):

@@ -12,13 +12,15 @@ import numpy as np
 import polars as pl
 
 # %% auto #0
-__all__ = ['DEMO_TEACHERS', 'DEMO_CLIPS', 'EFFECTS', 'QUICK_TOY', 'DemoRecipe', 'demo_jobs', 'job_config', 'run_job', 'run_jobs',
-           'demo_frames', 'seed_effects', 'effect_table', 'format_effects', 'run_demo', 'run_study', 'study_schedules',
-           'study_released_lr', 'released_lr_variants', 'study_jobs', 'add_demo_args', 'cmd_demo']
+__all__ = ['DEMO_TEACHERS', 'DEMO_CLIPS', 'CLIP_TITLES', 'EFFECTS', 'QUICK_TOY', 'DemoRecipe', 'demo_jobs', 'job_config',
+           'run_job', 'run_jobs', 'demo_frames', 'seed_effects', 'effect_table', 'format_effects', 'run_demo',
+           'run_study', 'study_schedules', 'study_released_lr', 'released_lr_variants', 'study_jobs', 'add_demo_args',
+           'cmd_demo']
 
 # %% ../nbs/10b_demo.ipynb #72dafffb
 DEMO_TEACHERS = ("soft",)  # toy presets trained by default (see opsd.toy: the teacher's trust in references)
-DEMO_CLIPS = ("entry", "scaled", "none")
+DEMO_CLIPS = ("entry", "scaled")  # released vs direction-preserving; `--clips entry scaled none` adds plain forward KL
+CLIP_TITLES = {"entry": "released entry clip", "scaled": "direction-preserving clip", "none": "no clip", "token": "token clip"}
 
 @dataclasses.dataclass
 class DemoRecipe:
@@ -265,7 +267,7 @@ def run_demo(out:str|Path="runs/demo", teachers:Sequence[str]=DEMO_TEACHERS, cli
             runs = [j["run_dir"] for j in jobs if j["teacher"] == t]
             summary = format_effects(table.filter(pl.col("teacher") == t))
             reports.append(write_report(runs, out / f"report-{t}", png=png, tables={"Per clip mode over seeds (mean ± sd [95% t-interval], * excludes 0)": summary},
-                                        title=f"opsd demo, {t} teacher: entry clip, direction-preserving clip, no clip ({len(runs) // len(clips)} seeds)"))
+                                        title=f"opsd demo, {t} teacher: {', '.join(CLIP_TITLES.get(c, c) for c in clips)} ({len(runs) // len(clips)} seeds)"))
     secs = time.perf_counter() - t0
     text = format_effects(table)
     if progress:

@@ -58,6 +58,7 @@ class OPSDConfig:
     padding: str = "released"  # 'released' (right-padded prompts, gap consumes positions) or 'aligned'
     fused: bool = False  # the chunked loss from hidden states (opsd.fused)
     fused_chunk: int = 1024
+    fused_kernel: str = "auto"  # the fused chunk math: 'torch', 'triton' (one kernel; forward KL, full vocabulary) or 'auto' (triton on CUDA where it applies)
     # LoRA
     lora_r: int = 64
     lora_alpha: float = 128
@@ -93,7 +94,7 @@ class OPSDConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self): setattr(self, f.name, _check_type(f, getattr(self, f.name)))
         checks = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=PAD_MODES, scheduler=SCHEDULERS, objective=OBJECTIVES,
-                      rollout=ROLLOUTS, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES)
+                      rollout=ROLLOUTS, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES, fused_kernel=("auto", "torch", "triton"))
         for k, allowed in checks.items():
             if getattr(self, k) not in allowed: raise ValueError(f"config field {k}={getattr(self, k)!r}: must be one of {allowed}")
         ranges = dict(batch_size=(1, None), micro_batch_size=(1, None), steps=(1, None), save_every=(1, None), max_completion_length=(1, None),
@@ -417,12 +418,13 @@ class OPSDTrainer:
         cfg, L = self.cfg, b.completion_len
         with bf16_adapter_compute(self.unwrapped, cfg.bf16_adapters and self.acc.device.type == "cuda"):
             if cfg.fused and cfg.objective == "divergence":
-                from opsd.fused import fused_divergence
+                from opsd.fused_triton import fused_divergence  # `opsd.fused` with the Triton chunk kernel where it applies
                 hs = _final_hidden(self.model, b.inputs("student"), L)                                   # (B, L, H)
                 ht = self.teacher(lambda: _final_hidden(self.unwrapped, b.inputs("teacher"), L))
                 w = decoder_of(self.unwrapped)[1].get_output_embeddings().weight                         # (V, H)
                 return fused_divergence(hs, ht, w, b.labels, beta=cfg.beta, temperature=cfg.temperature, clip=cfg.clip, tau=cfg.tau,
-                                        top_k=cfg.top_k, num_items=num_items, chunk_size=cfg.fused_chunk, diagnostics=True)
+                                        top_k=cfg.top_k, num_items=num_items, chunk_size=cfg.fused_chunk, diagnostics=True,
+                                        kernel=cfg.fused_kernel)
             s_logits = batch_logits(self.model, b, "student")                                            # (B, L, V)
             t_logits = self.teacher(lambda: batch_logits(self.unwrapped, b, "teacher"))                  # (B, L, V)
         kw = dict(beta=cfg.beta, temperature=cfg.temperature, clip=cfg.clip, tau=cfg.tau, top_k=cfg.top_k)

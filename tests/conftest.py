@@ -7,6 +7,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Without a GPU the Triton kernel (tests/test_fused_triton.py) runs in Triton's interpreter, which must be chosen before
+# triton is first imported; peft imports triton when it is installed, so set it here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:

@@ -149,9 +149,8 @@ def test_build_cache_load_generate(tmp_path, tok):
 
     # cache reuse: the second call does not retrain (the weights file is untouched)
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    t0 = time.time()
     assert build_toy_base(cfg, cache_dir=tmp_path, progress=False) == path
-    assert time.time() - t0 < 0.5 and (path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
 
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
     model, tk = load_toy_base(path)
