@@ -47,7 +47,7 @@ for block, warps in ((1024, 4), (1024, 8), (2048, 8), (4096, 8), (4096, 16), (81
         for _ in range(10): f()
         torch.cuda.synchronize(); ts.append((time.perf_counter() - t0) / 10 * 1e3)
     ms = min(ts)
-    print(f"BLOCK={block:5d} warps={warps:2d}: {ms:.3f} ms/chunk, {C * V * 26 / ms / 1e9:6.0f} GB/s (26 B/entry), "
+    print(f"BLOCK={block:5d} warps={warps:2d}: {ms:.3f} ms/chunk, {C * V * 26 / ms / 1e6:6.0f} GB/s (26 B/entry), "
           f"max diag err {err:.1e}, bf16 grad err {gerr:.1e}")
     if best is None or ms < best[0]: best = (ms, block, warps)
 print("best", best, f"-> x{8192 // C} chunks at N=8192: {best[0] * 8192 / C:.1f} ms of kernel")
