@@ -171,7 +171,7 @@ def _add_line_band(fig, g: pl.DataFrame, y: str, label: str, colour: str, show_r
     a = (g.group_by(x).agg(m=pl.col(y).mean(), sd=pl.col(y).std(ddof=1), n=pl.len()).sort(x)
          .with_columns(pl.col("sd").fill_null(0.0).fill_nan(0.0)))
     xs, m, sd, n = a[x].to_list(), a["m"].to_numpy(), a["sd"].to_numpy(), a["n"].to_list()
-    fig.add_trace(go.Scatter(x=xs + xs[::-1], y=list(m + sd) + list((m - sd)[::-1]), fill="toself",
+    fig.add_trace(go.Scatter(x=xs + xs[::-1], y=list(m + sd) + list((m - sd)[::-1]), fill="toself", mode="lines",
                              fillcolor=_rgba(colour, 0.18), line=dict(width=0), legendgroup=label,
                              showlegend=False, hoverinfo="skip", name=f"{label} ±1 sd"), **kw)
     fig.add_trace(go.Scatter(
@@ -531,7 +531,7 @@ def accuracy(
         half = [0.0 if np.isnan(s["half"]) else s["half"] for s in st]
         if any(s["n"] > 1 for s in st):
             fig.add_trace(go.Scatter(x=xs + xs[::-1], y=[m + h for m, h in zip(ms, half)] + [m - h for m, h in zip(ms, half)][::-1],
-                                     fill="toself", fillcolor=_rgba(colour, 0.18), line=dict(width=0), legendgroup=label,
+                                     fill="toself", mode="lines", fillcolor=_rgba(colour, 0.18), line=dict(width=0), legendgroup=label,
                                      showlegend=False, hoverinfo="skip", name=f"{label} 95% interval"))
         fig.add_trace(go.Scatter(
             x=xs, y=ms, mode="lines+markers", name=label, legendgroup=label, line=dict(color=colour, width=2),
