@@ -89,7 +89,7 @@ def test_entry_loss_sign_measured_on_every_run(metrics):
     assert any(s.y0 == 0 and s.y1 == 0 for s in fig.layout.shapes)
     neg = [d for d in fig.data if d.yaxis == "y2"]
     assert len(neg) == 8  # band + mean per clip mode: the instrument exists for every run
-    none_neg = next(d for d in neg if d.name.startswith("none") and d.mode == "lines")
+    none_neg = next(d for d in neg if d.name.startswith("none") and d.fill != "toself")  # the mean, not its band
     expect = metrics.filter(pl.col("clip") == "none").group_by("step").agg(pl.col("entry/neg_loss_frac").mean()).sort("step")
     np.testing.assert_allclose(none_neg.y, expect["entry/neg_loss_frac"].to_numpy())
     one_panel = plots.entry_loss_sign(metrics.drop("entry/neg_loss_frac"))
