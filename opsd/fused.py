@@ -9,7 +9,7 @@ from .loss import divergence, divergence_grad, opsd_loss
 from .diagnostics import clip_diagnostics, loss_grad_diagnostics, POSITION_KEYS, BOOL_KEYS
 
 # %% auto #0
-__all__ = ['chunk_divergence', 'default_chunk_size', 'fused_divergence', 'bf16_case', 'grad_error']
+__all__ = ['chunk_divergence', 'default_chunk_size', 'fused_divergence', 'fused_apply', 'bf16_case', 'grad_error']
 
 # %% ../nbs/02_fused.ipynb #fb8d91c1
 def _mixed(h: torch.Tensor, w: torch.Tensor) -> bool:
@@ -122,6 +122,15 @@ def fused_divergence(student_hidden: torch.Tensor, # (..., H) final hidden state
                      closed_form: bool = False, # per-chunk gradient from `divergence_grad` (closed form) instead of autograd
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: # loss scalar, per-position tensors (...,)
     "`opsd_loss` and `clip_diagnostics` from hidden states and the lm_head weight, chunked so full logits never exist."
+    opts = dict(beta=beta, temperature=temperature, clip=clip, tau=tau, top_k=top_k, diagnostics=diagnostics,
+                compile=student_hidden.is_cuda if compile is None else compile, closed_form=closed_form)
+    return fused_apply(_FusedDivergence, student_hidden, teacher_hidden, lm_head_weight, labels, num_items, chunk_size, opts)
+
+def fused_apply(fn, # an autograd Function taking (hs, ht, w, opts) of valid positions (`_FusedDivergence` or a kernel's)
+                student_hidden, teacher_hidden, lm_head_weight, labels, num_items, chunk_size,
+                opts: dict, # the Function's options; `chunk_size` and `scale` (1 / token count) are added here
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    "Shape checks, the valid positions only, `fn.apply`, and every per-position output back in the labels' shape."
     if student_hidden.shape != teacher_hidden.shape:
         raise ValueError(f"student_hidden {tuple(student_hidden.shape)} and teacher_hidden {tuple(teacher_hidden.shape)} differ in shape")
     if lm_head_weight.dim() != 2 or student_hidden.shape[-1] != lm_head_weight.shape[1]:
@@ -136,10 +145,8 @@ def fused_divergence(student_hidden: torch.Tensor, # (..., H) final hidden state
     idx = mask.nonzero().squeeze(1)                                              # valid positions only
     n = idx.numel()
     denom = max(float(num_items), 1.0) if num_items is not None else max(n, 1)
-    opts = dict(beta=beta, temperature=temperature, clip=clip, tau=tau, top_k=top_k, diagnostics=diagnostics,
-                chunk_size=chunk_size, compile=hs.is_cuda if compile is None else compile, scale=1.0 / denom,
-                closed_form=closed_form)
-    loss, per, *dv = _FusedDivergence.apply(hs.index_select(0, idx), ht.index_select(0, idx), lm_head_weight, opts)
+    opts = {**opts, "chunk_size": chunk_size, "scale": 1.0 / denom}
+    loss, per, *dv = fn.apply(hs.index_select(0, idx), ht.index_select(0, idx), lm_head_weight, opts)
     def full(v):                                                                 # back to (...,), 0 where ignored
         out = v.new_zeros(lab.shape); out[idx] = v; return out.reshape(labels.shape)
     diag = {**{k: full(v) for k, v in zip(opts["keys"], dv)}, "loss": full(per), "mask": mask.reshape(labels.shape)}

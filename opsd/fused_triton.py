@@ -8,7 +8,7 @@ import importlib.util, math, os
 import torch
 from .loss import _check, effective_clip
 from .diagnostics import POSITION_KEYS, BOOL_KEYS
-from .fused import _FusedDivergence, _mixed, _mm, default_chunk_size, fused_divergence as torch_fused_divergence
+from .fused import _FusedDivergence, _mixed, _mm, fused_apply, fused_divergence as torch_fused_divergence
 def _has_triton() -> bool:
     try: return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError): return False
@@ -290,28 +290,10 @@ def fused_divergence(student_hidden: torch.Tensor, # (..., H) final hidden state
               diagnostics=diagnostics)
     if resolve_kernel(kernel, student_hidden.device, beta, top_k, lm_head_weight.shape[0]) == "torch":
         return torch_fused_divergence(student_hidden, teacher_hidden, lm_head_weight, labels, compile=compile, closed_form=closed_form, **kw)
-    if student_hidden.shape != teacher_hidden.shape:
-        raise ValueError(f"student_hidden {tuple(student_hidden.shape)} and teacher_hidden {tuple(teacher_hidden.shape)} differ in shape")
-    if lm_head_weight.dim() != 2 or student_hidden.shape[-1] != lm_head_weight.shape[1]:
-        raise ValueError(f"lm_head_weight {tuple(lm_head_weight.shape)} must be (V, H) with H = {student_hidden.shape[-1]}")
-    if labels.shape != student_hidden.shape[:-1]:
-        raise ValueError(f"labels {tuple(labels.shape)} must match the hidden states' leading shape {tuple(student_hidden.shape[:-1])}")
     if temperature <= 0: raise ValueError(f"temperature must be > 0, got {temperature}")
     if clip is not None and clip not in CLIP_CODES: raise ValueError(f"clip must be one of {tuple(CLIP_CODES)} or None, got {clip!r}")
-    V, H = lm_head_weight.shape
-    chunk_size = default_chunk_size(V, student_hidden.device) if chunk_size is None else int(chunk_size)
-    if chunk_size < 1: raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    hs, ht, lab = student_hidden.reshape(-1, H), teacher_hidden.detach().reshape(-1, H), labels.reshape(-1)
-    mask = lab != -100
-    idx = mask.nonzero().squeeze(1)
-    n = idx.numel()
-    denom = max(float(num_items), 1.0) if num_items is not None else max(n, 1)
-    opts = dict(temperature=temperature, clip=clip, tau=tau, diagnostics=diagnostics, chunk_size=chunk_size, scale=1.0 / denom)
-    loss, per, *dv = _FusedDivergenceTriton.apply(hs.index_select(0, idx), ht.index_select(0, idx), lm_head_weight, opts)
-    def full(v):
-        out = v.new_zeros(lab.shape); out[idx] = v; return out.reshape(labels.shape)
-    diag = {**{k: full(v) for k, v in zip(opts["keys"], dv)}, "loss": full(per), "mask": mask.reshape(labels.shape)}
-    return loss, diag
+    opts = dict(temperature=temperature, clip=clip, tau=tau, diagnostics=diagnostics)
+    return fused_apply(_FusedDivergenceTriton, student_hidden, teacher_hidden, lm_head_weight, labels, num_items, chunk_size, opts)
 
 def fused_divergence_triton(*args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     "`fused_divergence(..., kernel='triton')`: the Triton chunk math or a ValueError saying why not."
