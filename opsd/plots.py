@@ -53,9 +53,15 @@ class _LayoutPng(PngRenderer):
         w, h = self.width, self.height
         self.width, self.height = lay.get("width") or w, lay.get("height") or h
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # kaleido's "kopts ignored with a server" warning
-                return super().to_mimebundle(fig_dict)
+            for attempt in (1, 2):  # the headless browser can answer before its page has loaded (kaleido_scopes undefined)
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # kaleido's "kopts ignored with a server" warning
+                        return super().to_mimebundle(fig_dict)
+                except Exception as e:
+                    if attempt == 2:  # the plotly JSON of the bundle still shows the figure; only the static image is missing
+                        warnings.warn(f"PNG export failed twice ({type(e).__name__}: {str(e)[:120]}); figure saved without its PNG")
+                        return {}
         finally:
             self.width, self.height = w, h
 
