@@ -5,7 +5,6 @@
 # %% ../nbs/12_bench.ipynb #1178c084
 from __future__ import annotations
 import argparse, json, math, os, resource, statistics, subprocess, sys, tempfile, time
-from contextlib import contextmanager
 from pathlib import Path
 from dataclasses import dataclass, asdict, field
 import torch
@@ -301,19 +300,6 @@ E2E_VARIANTS = {
 }
 E2E_VARIANTS["opsd best (torch loss)"] = dict(E2E_VARIANTS["opsd best"], fused_kernel="torch")  # the compiled torch chunk math instead of the Triton kernel
 
-@contextmanager
-def _shared_rollout(ro):
-    "While active, the trainer's `make_rollout` returns `ro` (one engine for every variant)."
-    import opsd.rollout as R, opsd.train as T
-    if ro is None: yield; return
-    saved = (R.make_rollout, getattr(T, "make_rollout", None))
-    R.make_rollout = lambda *a, **k: ro
-    if saved[1] is not None: T.make_rollout = R.make_rollout
-    try: yield
-    finally:
-        R.make_rollout = saved[0]
-        if saved[1] is not None: T.make_rollout = saved[1]
-
 def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_checkpoint`)
               variants: dict | None = None, # name -> OPSDConfig overrides (default `E2E_VARIANTS`)
               steps: int = 4, warmup: int = 1, # timed steps after warm-up steps, per variant
@@ -335,11 +321,9 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
         cfg = OPSDConfig(**{**E2E_COMMON, **(common or {}), **over, "model": str(model_dir), "run_dir": str(run_root / slug),
                             "name": slug, "rollout": rollout, "vllm_memory": vllm_memory, "seed": 0})
         t0 = time.perf_counter()
-        with _shared_rollout(shared):
-            tr = OPSDTrainer(cfg, problems, model_path=str(model_dir), progress=progress)
+        tr = OPSDTrainer(cfg, problems, model_path=str(model_dir), progress=progress, rollout=shared)  # one engine for all
         setup_s = time.perf_counter() - t0
         if shared is None: shared = tr.rollout
-        else: shared.sync_weights(tr.model)
         trainers.append(tr)
         per = []
         for s in range(1, warmup + steps + 1):

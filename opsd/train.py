@@ -319,7 +319,8 @@ class OPSDTrainer:
                  model_path: str | None = None, # resolved checkpoint path (default cfg.model)
                  grader: Callable[[str, str], bool] | None = None, # (completion text, answer) -> correct, for sampled_acc
                  prompt_config: PromptConfig | None = None, # prompt wording (default: PromptConfig with cfg.prompt overrides)
-                 accelerator=None, progress: bool = True):
+                 accelerator=None, progress: bool = True,
+                 rollout=None): # an engine to use instead of building one (generate/sync_weights/sleep/wake_up); gets our weights now
         from accelerate import Accelerator
         if not problems: raise ValueError("no problems to train on")
         self.cfg, self.problems, self.grader, self.progress = cfg, list(problems), grader, progress
@@ -348,7 +349,8 @@ class OPSDTrainer:
         self.sampling = SamplingConfig(temperature=cfg.sample_temperature, top_p=cfg.top_p, top_k=cfg.sample_top_k,
                                        max_new_tokens=cfg.max_completion_length, seed=cfg.seed)
         self._prompt_cache: dict[int, tuple[list[int], list[int]]] = {}
-        self.rollout = self._make_rollout()
+        self.rollout = rollout if rollout is not None else self._make_rollout()
+        if rollout is not None: self.sync()   # a shared engine may hold another run's student: load ours before the first rollout
         self.step_done = 0
 
     @property

@@ -130,3 +130,22 @@ def test_set_bad_value_is_a_clear_error(tiny_ckpt):
     r = subprocess.run([venv_bin("opsd"), "train", "--model", str(tiny_ckpt), "--data", DATA["path"], "--set", "lr=abc"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "lr='abc'" in (r.stderr + r.stdout) and "Traceback" not in r.stderr
+
+
+def test_shared_rollout_gets_each_trainers_weights(tiny_ckpt, toy_problems, tmp_path):
+    """One engine shared by two trainers holds, after each construction, that trainer's merged student.
+    Break checked: without the sync at construction, the engine still holds trainer A's trained student and this fails."""
+    from opsd.rollout import merged_state_dict
+    kw = dict(model=str(tiny_ckpt), steps=1, batch_size=4, micro_batch_size=4, max_completion_length=6, log_positions=0,
+              padding="aligned")
+    a = OPSDTrainer(OPSDConfig.toy(run_dir=str(tmp_path / "a"), lr=1e-2, **kw), toy_problems, progress=False)
+    a.step(1)                                               # A's student moves away from the base
+    b = OPSDTrainer(OPSDConfig.toy(run_dir=str(tmp_path / "b"), seed=1, **kw), toy_problems, progress=False, rollout=a.rollout)
+    assert b.rollout is a.rollout
+    held = {k: v.detach().clone() for k, v in b.rollout.gen_model.state_dict().items()}
+    want, a_sd = merged_state_dict(b.unwrapped), merged_state_dict(a.unwrapped)
+    assert max((want[k] - a_sd[k]).abs().max().item() for k in want) > 1e-4      # the two students differ
+    for k in want: torch.testing.assert_close(held[k], want[k], rtol=0, atol=0)
+    b.step(1)                                               # and B trains with it, then syncs its own update into it
+    want = merged_state_dict(b.unwrapped)
+    for k in want: torch.testing.assert_close(b.rollout.gen_model.state_dict()[k], want[k], rtol=0, atol=0)
