@@ -1,4 +1,4 @@
-"Tests for opsd.rollout: the Rollout contract on a real tiny Qwen3, seeding, logprobs, left padding, LoRA merge, vLLM mapping."
+"Tests for opsd.rollout: the Rollout contract on a real tiny Qwen3, seeding, logprobs, padding, LoRA merge, vLLM."
 import copy
 import importlib.util
 
@@ -19,7 +19,8 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 def tiny(seed=0, vocab=67):
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
                       initializer_range=0.2, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
     return Qwen3ForCausalLM(cfg).eval()
@@ -64,7 +65,8 @@ def test_contract_and_determinism(model):
 
 def test_logprobs_match_forward(model):
     T = 1.3
-    r = HFRollout(model, pad_id=PAD, eos_id=STOPS, batch_size=8).generate(PROMPTS, SamplingConfig(temperature=T, max_new_tokens=7), logprobs=True)
+    sc = SamplingConfig(temperature=T, max_new_tokens=7)
+    r = HFRollout(model, pad_id=PAD, eos_id=STOPS, batch_size=8).generate(PROMPTS, sc, logprobs=True)
     assert len(r.logprobs) == len(PROMPTS)
     for p, c, lp in zip(r.prompt_ids, r.completion_ids, r.logprobs):
         assert len(lp) == len(c)
@@ -82,7 +84,8 @@ def test_left_padding_keeps_greedy_output(model):
     assert batched.completion_ids == alone
     check_contract(batched, PROMPTS, 8, (EOS,))
     # chunking does not matter for greedy decoding either
-    assert HFRollout(model, pad_id=PAD, eos_id=EOS, batch_size=2, progress=False).generate(PROMPTS, sc).completion_ids == alone
+    chunked = HFRollout(model, pad_id=PAD, eos_id=EOS, batch_size=2, progress=False)
+    assert chunked.generate(PROMPTS, sc).completion_ids == alone
 
 
 def test_pad_equals_eos(model):
@@ -106,8 +109,8 @@ def test_tokenizer_ids_and_errors(model):
 
 
 def test_peft_model_and_training_mode(model):
-    pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                         init_lora_weights=False))
+    lc = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    pm = get_peft_model(copy.deepcopy(model), lc)
     pm.train()
     sc = SamplingConfig(temperature=0, max_new_tokens=8)
     hf = HFRollout(pm, pad_id=PAD, eos_id=EOS)
@@ -120,9 +123,9 @@ def test_peft_model_and_training_mode(model):
 
 
 def test_merged_state_dict_equals_merge_and_unload(model):
-    pm = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                                            "gate_proj", "up_proj", "down_proj"],
-                                                         init_lora_weights=False))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lc = LoraConfig(r=4, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    pm = get_peft_model(copy.deepcopy(model), lc)
     sd = merged_state_dict(pm)
     ref = copy.deepcopy(pm).merge_and_unload().state_dict()
     assert sorted(sd) == sorted(ref) == sorted(model.state_dict())
@@ -146,7 +149,8 @@ def test_helpers():
 
 
 def test_vllm_sampling_kwargs():
-    kw = vllm_sampling_kwargs(SamplingConfig(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=1024, seed=7), logprobs=True, row=2)
+    sc = SamplingConfig(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=1024, seed=7)
+    kw = vllm_sampling_kwargs(sc, logprobs=True, row=2)
     assert kw == dict(n=1, max_tokens=1024, seed=9, logprobs=0, detokenize=False, skip_special_tokens=False,
                       temperature=1.1, top_p=0.95, top_k=20)
     g = vllm_sampling_kwargs(SamplingConfig(temperature=0, top_k=0))
@@ -166,7 +170,8 @@ def test_backend_choice_on_cpu(model):
     tok = type("Ids", (), dict(pad_token_id=PAD, eos_token_id=EOS))()
     with pytest.raises(RuntimeError, match="CUDA GPU"):
         make_rollout("vllm", model, tok, "/nonexistent")
-    ro = make_rollout("auto", model, tok, None, max_model_len=64, gpu_memory_utilization=0.3, sleep=True, seed=0, progress=False)
+    ro = make_rollout("auto", model, tok, None, max_model_len=64, gpu_memory_utilization=0.3, sleep=True, seed=0,
+                      progress=False)
     assert isinstance(ro, HFRollout)
     sc = SamplingConfig(temperature=0, max_new_tokens=6)
     before = ro.generate(PROMPTS, sc).completion_ids
