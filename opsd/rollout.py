@@ -13,9 +13,9 @@ from .collate import as_ids, eos_set, trim_at_eos, pad_eos_ids, left_pad
 from .loss import sampled_token_logprobs
 
 # %% auto #0
-__all__ = ['VLLM_FIX', 'ROLLOUT_BACKENDS', 'SamplingConfig', 'Rollout', 'finish_rows', 'HFRollout', 'merged_state_dict',
-           'vllm_sampling_kwargs', 'sampler_variant', 'sampler_warmup_sizes', 'vllm_env', 'require_vllm', 'VLLMRollout',
-           'resolve_backend', 'make_rollout']
+__all__ = ['WARM_SAMPLINGS', 'VLLM_FIX', 'ROLLOUT_BACKENDS', 'SamplingConfig', 'Rollout', 'finish_rows', 'HFRollout',
+           'merged_state_dict', 'vllm_sampling_kwargs', 'sampler_variant', 'sampler_warmup_sizes', 'vllm_env',
+           'require_vllm', 'VLLMRollout', 'resolve_backend', 'make_rollout']
 
 # %% ../nbs/05_rollout.ipynb #cdfad322
 @dataclass
@@ -238,6 +238,9 @@ def sampler_warmup_sizes(sampling: SamplingConfig) -> tuple[int, ...]:
     if not any(sampler_variant(sampling)): return ()  # no top-k/top-p kernel at all
     return (9, 16)  # >= 8 rows use the Triton kernel; 9 is not a multiple of 16, 16 is
 
+# the variants opsd's runs reach: released training sampling (top-k and top-p), evaluation (top-p only), top-k only
+WARM_SAMPLINGS = (SamplingConfig(), SamplingConfig(top_k=0, top_p=0.95), SamplingConfig(top_k=20, top_p=1.0))
+
 
 # %% ../nbs/05_rollout.ipynb #db18b862
 _VLLM_MODEL_PATHS = (("llm_engine", "model_executor", "driver_worker", "worker", "model_runner", "model"),
@@ -297,6 +300,7 @@ class VLLMRollout:
                  source=None, # the model whose weights the engine holds (reloaded after a level-2 sleep)
                  logprobs_mode: str | None = "processed_logprobs", # engine logprobs mode (None: vLLM's default)
                  progress: bool = True, # vLLM's tqdm bar
+                 warm: bool = True, # compile the sampler's top-k/top-p variants now (`WARM_SAMPLINGS`), not mid-run
                  **llm_kwargs, # anything else for vllm.LLM
                 ):
         vllm_env()
@@ -329,6 +333,8 @@ class VLLMRollout:
         self.asleep, self.weights_valid = 0, True  # sleep level (0 = awake); False after a level-2 sleep until reloaded
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else None
         self.warmed: dict[tuple, float] = {}  # sampler variant -> seconds its warm-up took (see `sampler_warmup_sizes`)
+        if warm:
+            for ws in WARM_SAMPLINGS: self.warm_sampler(ws, pad_token=min(eos_set(self.eos_id)))
 
     def sleep(self, level: int | None = None):
         "Free the engine's GPU memory: level 1 moves weights to CPU, 2 drops them (None: 2 if a source can refill)."
