@@ -6,7 +6,7 @@ Here the same 32 prompts are generated six times with the same seed on SmolLM2's
 same work, and rows stop at different lengths (checked). No repeat may take more than 1.3x the median.
 Break it on purpose: `VLLMRollout(..., warm=False)` with the warm-up in `generate` removed makes the first repeat the
 outlier (measured on the H200, bench/h200-*/stall.out).
-Run it in its own pytest process: a second vLLM engine in the process of tests/test_gpu.py would not fit its memory share.
+Run it in its own pytest process: a second vLLM engine beside the one of tests/test_gpu.py would not fit.
 """
 import statistics
 
