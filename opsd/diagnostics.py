@@ -4,11 +4,9 @@
 
 # %% ../nbs/01_diagnostics.ipynb #f6b468fc
 from __future__ import annotations
-import math
 import torch
-from .loss import (entry_summands, summand_slopes, softmax_grad, masked_sum, normaliser, _check, divergence_terms,
-                       clip_reduce, entry_kept, effective_clip)
-
+from .loss import (entry_summands, summand_slopes, masked_sum, normaliser, _check, _full_width, divergence_terms,
+                       clip_reduce, clip_rule, grad_from_terms, effective_clip)
 
 # %% auto #0
 __all__ = ['POSITION_KEYS', 'BOOL_KEYS', 'METRIC_NAMES', 'diagnostics_from_terms', 'clip_diagnostics', 'loss_and_diagnostics',
@@ -16,8 +14,9 @@ __all__ = ['POSITION_KEYS', 'BOOL_KEYS', 'METRIC_NAMES', 'diagnostics_from_terms
            'tau_sweep']
 
 # %% ../nbs/01_diagnostics.ipynb #a830bca1
-POSITION_KEYS = ("kl/true", "loss", "entry/loss", "entry/clipped_entry_frac", "entry/argmax_clipped", "entry/clipped_teacher_mass",
-                 "entry/clipped_student_mass", "entry/grad_cos", "entry/neg_loss", "update_cos", "entropy/teacher", "entropy/student")
+POSITION_KEYS = ("kl/true", "loss", "entry/loss", "entry/clipped_entry_frac", "entry/argmax_clipped",
+                 "entry/clipped_teacher_mass", "entry/clipped_student_mass", "entry/grad_cos", "entry/neg_loss",
+                 "update_cos", "entropy/teacher", "entropy/student")
 BOOL_KEYS = ("entry/argmax_clipped", "entry/neg_loss")
 
 def _entropy(logp): return -(logp.exp() * logp).sum(-1)
@@ -25,35 +24,27 @@ def _entropy(logp): return -(logp.exp() * logp).sum(-1)
 def _cos(a, b, eps=1e-30):
     return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp(min=eps)
 
-def _scatter(g, idx, shape):
-    "A top-k gradient back at full vocabulary width (zeros elsewhere)."
-    return g if idx is None else torch.zeros(shape, dtype=g.dtype, device=g.device).scatter(-1, idx, g)
-
 @torch.no_grad()
 def diagnostics_from_terms(s_logp: torch.Tensor, # (..., V) student log-probs (detached)
                            t_logp: torch.Tensor, # (..., V) teacher log-probs
                            e: torch.Tensor, # (..., V) summands of the run's divergence (beta)
                            beta: float = 0.0, temperature: float = 1.0,
                            clip: str | None = "entry", # the run's own clip mode (for `loss` and `update_cos`)
-                           tau: float = 0.05, # threshold; the entry instruments use it even when the run's clip is another
+                           tau: float = 0.05, # threshold; the entry instruments use it whatever the run's clip
                            with_grad: bool = False, # also return the closed-form gradient of the run's own objective
                           ) -> dict[str, torch.Tensor]: # POSITION_KEYS -> (...,) tensors (+ 'grad' (..., V))
     "Every per-position instrument from the terms of one `divergence_terms` call."
     own = effective_clip(clip, tau)
-    tau_e = tau if tau is not None and tau > 0 else math.inf                      # tau <= 0: the clip is off, nothing clipped
-    kept = entry_kept(e, tau_e)                                                     # (..., V) the one kept-set rule
+    kept, _ = clip_rule(e, "entry", tau)                     # what the released clip keeps at this tau (None: all)
+    clipped = torch.zeros_like(e, dtype=torch.bool) if kept is None else ~kept
     s, t = s_logp.exp(), t_logp.exp()
     e_kl = e if beta == 0.0 else entry_summands(s_logp, t_logp, 0.0)
     slopes = summand_slopes(s_logp, t_logp, beta)
-    g_true = softmax_grad(s_logp, slopes, temperature)                              # (..., V)
-    g_entry = softmax_grad(s_logp, torch.where(kept, slopes, torch.zeros_like(slopes)), temperature)
-    d = e.sum(-1)
-    if own == "entry": g_own = g_entry
-    elif own == "token": g_own = g_true * (d <= tau).unsqueeze(-1)
-    elif own == "scaled": g_own = g_true * (tau / d.clamp(min=torch.finfo(d.dtype).tiny)).clamp(max=1.0).unsqueeze(-1)
-    else: g_own = g_true
-    entry_loss = e.clamp(max=tau_e).sum(-1)
-    clipped = ~kept
+    def grad(mode): return grad_from_terms(s_logp, t_logp, e, beta, temperature, mode, tau, slopes=slopes)
+    g_true, g_entry = grad("none"), grad("entry")                                 # (..., V) each
+    g_own = {"none": g_true, "entry": g_entry}.get(own)
+    if g_own is None: g_own = grad(own)
+    entry_loss = clip_reduce(e, "entry", tau)
     out = {
         "kl/true": e_kl.sum(-1),
         "loss": clip_reduce(e, own, tau),
@@ -92,17 +83,19 @@ def loss_and_diagnostics(student_logits: torch.Tensor, # (..., V) student logits
                          labels: torch.Tensor, # (...,) completion ids, -100 where ignored
                          beta: float = 0.0, temperature: float = 1.0, clip: str | None = "entry", tau: float = 0.05,
                          top_k: int | None = None,
-                         num_items: int | float | torch.Tensor | None = None, # global valid-token count (see `opsd_loss`)
+                         num_items: int | float | torch.Tensor | None = None, # global valid-token count (`opsd_loss`)
                          diagnostics: bool = True, # False: only the loss
-                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: # loss scalar, per-position instruments + 'mask'
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: # loss, per-position instruments + 'mask'
     "`opsd_loss` and every instrument from ONE `divergence_terms` pass over the logits."
     if labels.shape != student_logits.shape[:-1]:
-        raise ValueError(f"labels {tuple(labels.shape)} must match logits' leading shape {tuple(student_logits.shape[:-1])}")
+        raise ValueError(f"labels {tuple(labels.shape)} must match logits' leading shape "
+                         f"{tuple(student_logits.shape[:-1])}")
     clip = _check(student_logits, teacher_logits, clip, tau)
     s_logp, t_logp, e, _ = divergence_terms(student_logits, teacher_logits, beta, temperature, top_k)   # (..., V)
     mask = labels != -100
     loss = masked_sum(clip_reduce(e, clip, tau), mask) / normaliser(mask, num_items)
-    diag = diagnostics_from_terms(s_logp.detach(), t_logp, e.detach(), beta, temperature, clip, tau) if diagnostics else {}
+    diag = diagnostics_from_terms(s_logp.detach(), t_logp, e.detach(), beta, temperature, clip, tau) if diagnostics \
+        else {}
     diag["mask"] = mask
     return loss, diag
 
@@ -111,14 +104,13 @@ def loss_grad_diagnostics(student_logits: torch.Tensor, # (C, V) student logits 
                           teacher_logits: torch.Tensor, # (C, V) teacher logits
                           beta: float = 0.0, temperature: float = 1.0, clip: str | None = "entry", tau: float = 0.05,
                           top_k: int | None = None, diagnostics: bool = True,
-                         ) -> tuple[torch.Tensor, torch.Tensor, dict]: # per-position loss (C,), its closed-form gradient (C, V), instruments
+                         ) -> tuple[torch.Tensor, torch.Tensor, dict]: # loss (C,), closed-form gradient (C, V), instruments
     "Per-position loss, its closed-form gradient and the instruments from one pass (the fused loss's chunk math)."
     clip = _check(student_logits, teacher_logits, clip, tau)
     s_logp, t_logp, e, idx = divergence_terms(student_logits, teacher_logits, beta, temperature, top_k)
     d = diagnostics_from_terms(s_logp, t_logp, e, beta, temperature, clip, tau, with_grad=True)
-    grad, per = _scatter(d.pop("grad"), idx, student_logits.shape), d["loss"]
+    grad, per = _full_width(d.pop("grad"), idx, student_logits.shape), d["loss"]
     return per, grad, (d if diagnostics else {})
-
 
 # %% ../nbs/01_diagnostics.ipynb #4d65bd62
 METRIC_NAMES = {k: (k + "_frac" if k in BOOL_KEYS else k) for k in POSITION_KEYS}  # per-position key -> step metric

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['CLIP_MODES', 'log_probs', 'entry_summands', 'effective_clip', 'entry_kept', 'divergence_terms', 'clip_reduce',
-           'divergence', 'summand_slopes', 'softmax_grad', 'divergence_grad', 'masked_sum', 'normaliser', 'opsd_loss',
-           'sampled_token_logprobs', 'sampled_token_loss']
+__all__ = ['CLIP_MODES', 'log_probs', 'entry_summands', 'effective_clip', 'entry_kept', 'clip_rule', 'divergence_terms',
+           'clip_reduce', 'divergence', 'summand_slopes', 'softmax_grad', 'grad_from_terms', 'divergence_grad',
+           'masked_sum', 'normaliser', 'opsd_loss', 'sampled_token_logprobs', 'sampled_token_terms',
+           'sampled_token_loss']
 
 # %% ../nbs/00_loss.ipynb #166800cf
 CLIP_MODES = ("none", "entry", "token", "scaled")
@@ -52,9 +53,14 @@ def _topk_logits(student_logits, teacher_logits, top_k):
     idx = teacher_logits.topk(top_k, dim=-1).indices
     return student_logits.gather(-1, idx), teacher_logits.gather(-1, idx), idx
 
+def _full_width(x: torch.Tensor, idx: torch.Tensor | None, shape) -> torch.Tensor:
+    "A top-k tensor (..., k) back at full vocabulary width `shape` (zeros elsewhere); unchanged when idx is None."
+    return x if idx is None else torch.zeros(shape, dtype=x.dtype, device=x.device).scatter(-1, idx, x)
+
 def _check(student_logits, teacher_logits, clip, tau=None):
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student_logits {tuple(student_logits.shape)} and teacher_logits {tuple(teacher_logits.shape)} differ in shape")
+        raise ValueError(f"student_logits {tuple(student_logits.shape)} and teacher_logits "
+                         f"{tuple(teacher_logits.shape)} differ in shape")
     clip = "none" if clip is None else clip
     if clip not in CLIP_MODES: raise ValueError(f"clip must be one of {CLIP_MODES} or None, got {clip!r}")
     return effective_clip(clip, tau)
@@ -69,24 +75,35 @@ def entry_kept(e: torch.Tensor, # (..., V) per-entry summands
     "The entries the entry clip leaves alone: the single definition of the kept set U."
     return e <= tau
 
+def clip_rule(e: torch.Tensor, # (..., V) per-entry summands (their values only are read)
+              clip: str | None, tau: float | None,
+             ) -> tuple[torch.Tensor | None, torch.Tensor | None]: # kept (..., V) bool or None, factor (...,) or None
+    "The one clip rule: which entries keep their gradient (None = all) and the per-position gradient factor (None = 1)."
+    clip = effective_clip(clip, tau)
+    if clip == "entry": return entry_kept(e.detach(), tau), None
+    if clip == "none": return None, None
+    d = e.detach().sum(-1)
+    if clip == "token": return None, (d <= tau).to(d.dtype)
+    return None, (tau / d.clamp(min=torch.finfo(d.dtype).tiny)).clamp(max=1.0)         # scaled
+
 def divergence_terms(student_logits: torch.Tensor, # (..., V) student logits (gradients flow here)
                      teacher_logits: torch.Tensor, # (..., V) teacher logits (detached inside)
                      beta: float = 0.0, temperature: float = 1.0, top_k: int | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: # s_logp, t_logp, e (..., V or k), top-k ids
-    "Log-probabilities of both sides and the per-entry summands: what every clip mode and diagnostic starts from."
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: # s_logp, t_logp, e, ids
+    "Log-probabilities of both sides and the per-entry summands (..., V or k): what every clip mode starts from."
     zs, zt, idx = _topk_logits(student_logits, teacher_logits.detach(), top_k)
     s_logp, t_logp = log_probs(zs, temperature), log_probs(zt, temperature)
     return s_logp, t_logp, entry_summands(s_logp, t_logp, beta), idx
 
 def clip_reduce(e: torch.Tensor, # (..., V) per-entry summands (with gradient)
-                clip: str = "none", tau: float = 0.05) -> torch.Tensor: # (...,) per-position values
-    "Apply a clip mode to the summands and sum over the vocabulary."
-    clip = effective_clip(clip, tau)
-    if clip == "entry": return e.clamp(max=tau).sum(-1)
+                clip: str | None = "none", tau: float | None = 0.05) -> torch.Tensor: # (...,) per-position values
+    "Apply a clip mode to the summands and sum over the vocabulary (values and autograd gradient from `clip_rule`)."
+    kept, factor = clip_rule(e, clip, tau)
+    if kept is not None: return torch.where(kept, e, tau).sum(-1)       # sum_v min(e_v, tau): gradient on U only
     d = e.sum(-1)
-    if clip == "token": return d.clamp(max=tau)
-    if clip == "scaled": return d * (tau / d.detach().clamp(min=torch.finfo(d.dtype).tiny)).clamp(max=1.0)
-    return d
+    if factor is None: return d
+    if effective_clip(clip, tau) == "token": return torch.where(factor > 0, d, tau)   # min(D, tau)
+    return d * factor                                                   # scaled: D sg[min(1, tau / D)]
 
 def divergence(student_logits: torch.Tensor, # (..., V) student logits (gradients flow here)
                teacher_logits: torch.Tensor, # (..., V) teacher logits (detached inside)
@@ -116,6 +133,19 @@ def softmax_grad(s_logp: torch.Tensor, # (..., V) student log-probs
     "Chain the kept summands' slopes through the softmax: s_j (g_j [j in U] - sum_U s_v g_v) / T."
     return (slopes - s_logp.exp() * slopes.sum(-1, keepdim=True)) / temperature
 
+def grad_from_terms(s_logp: torch.Tensor, # (..., V) student log-probs (detached)
+                    t_logp: torch.Tensor, # (..., V) teacher log-probs
+                    e: torch.Tensor, # (..., V) summands (for the clip rule)
+                    beta: float = 0.0, temperature: float = 1.0, clip: str | None = None, tau: float | None = 0.05,
+                    slopes: torch.Tensor | None = None, # summand_slopes(s_logp, t_logp, beta) when already computed
+                   ) -> torch.Tensor: # (..., V) d divergence / d logits at the terms' width (k under top-k)
+    "Closed-form gradient from the terms of one `divergence_terms` call: the clip rule applied to the slopes."
+    kept, factor = clip_rule(e, clip, tau)
+    sg = summand_slopes(s_logp, t_logp, beta) if slopes is None else slopes
+    if kept is not None: sg = torch.where(kept, sg, torch.zeros_like(sg))
+    grad = softmax_grad(s_logp, sg, temperature)
+    return grad if factor is None else grad * factor.unsqueeze(-1)
+
 def divergence_grad(student_logits: torch.Tensor, # (..., V) student logits
                     teacher_logits: torch.Tensor, # (..., V) teacher logits
                     beta: float = 0.0, temperature: float = 1.0, clip: str | None = None,
@@ -124,14 +154,7 @@ def divergence_grad(student_logits: torch.Tensor, # (..., V) student logits
     "Closed-form gradient of `divergence` (per position) with respect to the student logits."
     clip = _check(student_logits, teacher_logits, clip, tau)
     s_logp, t_logp, e, idx = divergence_terms(student_logits.detach(), teacher_logits, beta, temperature, top_k)
-    sg = summand_slopes(s_logp, t_logp, beta)
-    if clip == "entry": sg = torch.where(entry_kept(e, tau), sg, torch.zeros_like(sg))
-    grad = softmax_grad(s_logp, sg, temperature)
-    d = e.sum(-1, keepdim=True)
-    if clip == "token": grad = grad * (d <= tau)
-    if clip == "scaled": grad = grad * (tau / d.clamp(min=torch.finfo(d.dtype).tiny)).clamp(max=1.0)
-    if idx is None: return grad
-    return torch.zeros(student_logits.shape, dtype=grad.dtype, device=grad.device).scatter(-1, idx, grad)
+    return _full_width(grad_from_terms(s_logp, t_logp, e, beta, temperature, clip, tau), idx, student_logits.shape)
 
 # %% ../nbs/00_loss.ipynb #527b1f4f
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -164,13 +187,24 @@ def sampled_token_logprobs(logits: torch.Tensor, # (..., V) logits
     "Log-probabilities of the given tokens under softmax(logits / temperature)."
     return log_probs(logits, temperature).gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
 
-def sampled_token_loss(student_logprobs: torch.Tensor, # (...,) log s(y_k) of the sampled tokens (with grad)
-                       teacher_logprobs: torch.Tensor, # (...,) log t(y_k) of the same tokens
+def sampled_token_terms(s_lp: torch.Tensor, # (...,) log s(y_k) of the sampled tokens (with grad)
+                        t_lp: torch.Tensor, # (...,) log t(y_k) of the same tokens
+                        mask: torch.Tensor, # (...,) True at valid completion positions
+                       ) -> torch.Tensor: # (...,) per-position loss, 0 where masked
+    "Per-position sampled-token loss -stopgrad(log t(y) - log s(y)) * log s(y), 0 where `mask` is False."
+    if s_lp.shape != t_lp.shape or s_lp.shape != mask.shape:
+        raise ValueError(f"s_lp {tuple(s_lp.shape)}, t_lp {tuple(t_lp.shape)} and mask {tuple(mask.shape)} "
+                         "must have one shape")
+    s = s_lp.to(_work_dtype(s_lp))
+    adv = (t_lp.to(s.dtype) - s).detach()
+    per = -adv * s
+    return torch.where(mask.bool(), per, torch.zeros_like(per))
+
+def sampled_token_loss(s_lp: torch.Tensor, # (...,) log s(y_k) of the sampled tokens (with grad)
+                       t_lp: torch.Tensor, # (...,) log t(y_k) of the same tokens
                        mask: torch.Tensor, # (...,) True at valid completion positions
-                       num_items: int | float | torch.Tensor | None = None,
+                       num_items: int | float | torch.Tensor | None = None, # global valid-token count
                       ) -> torch.Tensor: # scalar
-    "Sampled-token loss -A log s(y) with A = stopgrad(log t(y) - log s(y))."
+    "Sampled-token loss: the masked sum of `sampled_token_terms` over max(num_items or count, 1)."
     mask = mask.bool()
-    s_lp = student_logprobs.to(_work_dtype(student_logprobs))
-    adv = (teacher_logprobs.to(s_lp.dtype) - s_lp).detach()
-    return masked_sum(-adv * s_lp, mask) / normaliser(mask, num_items)
+    return masked_sum(sampled_token_terms(s_lp, t_lp, mask), mask) / normaliser(mask, num_items)

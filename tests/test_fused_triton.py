@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from opsd import fused_triton as ft
 from opsd.diagnostics import POSITION_KEYS, BOOL_KEYS, loss_grad_diagnostics, synthetic_pair
-from opsd.fused import bf16_case, grad_error, fused_divergence as torch_fused
+from opsd.fused import bf16_case, grad_error, fused_divergence
 from opsd.loss import divergence
 
 DEVICE = "cpu" if ft.interpreting() else ("cuda" if torch.cuda.is_available() else None)
@@ -111,10 +111,11 @@ def test_bf16_gradient_out_and_scale():
 
 
 def run_fused(kernel, hs, ht, w, labels, **kw):
+    "opsd.fused.fused_divergence with the Triton per-chunk function ('triton') or the eager torch chunk math ('torch')."
     h, ww = hs.clone().requires_grad_(), w.clone().requires_grad_()
-    fn = ft.fused_divergence if kernel == "triton" else torch_fused
-    extra = dict(kernel="triton") if kernel == "triton" else dict(compile=False)
-    loss, d = fn(h, ht, ww, labels, **extra, **kw)
+    fn = ft.chunk_fn_for(kernel, DEVICE, beta=kw.get("beta", 0.0), clip=kw.get("clip", "entry"), top_k=kw.get("top_k"))
+    assert (fn is ft.chunk_divergence_triton) == (kernel == "triton")
+    loss, d = fused_divergence(h, ht, ww, labels, chunk_fn=fn, **(dict(compile=False) if fn is None else {}), **kw)
     loss.backward()
     return loss.detach(), d, h.grad, ww.grad
 
@@ -154,21 +155,38 @@ def test_fused_edge_cases():
     assert abs(float(la - lb)) < 1e-12 and grad_error(hb, ha) < 1e-11
 
 
-def test_fallbacks():
-    assert ft.resolve_kernel("auto", "cpu") == "torch"
-    assert ft.resolve_kernel("auto", "cuda", beta=0.5) == "torch"
-    assert ft.resolve_kernel("auto", "cuda", top_k=10, vocab=1000) == "torch"
-    assert ft.resolve_kernel("triton", DEVICE, top_k=1000, vocab=1000) == "triton"   # top_k >= V is the full vocabulary
+def test_chunk_fn_for():
+    "The chooser: None (the torch chunk math) unless the kernel applies; 'triton' raises when it cannot serve."
+    assert ft.chunk_fn_for("auto", "cpu") is None and ft.chunk_fn_for("torch", "cuda") is None
+    assert ft.chunk_fn_for("auto", "cuda", beta=0.5) is None
+    assert ft.chunk_fn_for("auto", "cuda", top_k=10, vocab=1000) is None
+    assert ft.chunk_fn_for("auto", "cuda", top_k=10) is None                          # vocabulary unknown: not full
+    assert ft.chunk_fn_for("auto", "cuda", clip="token") is ft.chunk_divergence_triton
+    assert ft.chunk_fn_for("triton", DEVICE, top_k=1000, vocab=1000) is ft.chunk_divergence_triton  # top_k >= V: full
+    assert ft.chunk_fn_for("triton", DEVICE, clip=None) is ft.chunk_divergence_triton
     with pytest.raises(ValueError, match="beta"):
-        ft.resolve_kernel("triton", DEVICE, beta=1.0)
+        ft.chunk_fn_for("triton", DEVICE, beta=1.0)
+    with pytest.raises(ValueError, match="kernel must be"):
+        ft.chunk_fn_for("cuda", DEVICE)
+    with pytest.raises(ValueError, match="clip must be"):
+        ft.chunk_fn_for("auto", DEVICE, clip="bogus")
     with pytest.raises(ValueError, match="beta"):
         ft.chunk_divergence_triton(*pair(2, 10, torch.float32), beta=0.5)
     hs, ht, w, labels = (x.to(DEVICE) for x in bf16_case(n=12, hidden=8, vocab=40))
     hs, ht, w = hs.float(), ht.float(), w.float()
-    a, da = ft.fused_divergence(hs, ht, w, labels, beta=0.5, kernel="auto")
-    b, db = torch_fused(hs, ht, w, labels, beta=0.5, compile=False)
+    a, da = fused_divergence(hs, ht, w, labels, beta=0.5, chunk_fn=ft.chunk_fn_for("auto", DEVICE, beta=0.5))
+    b, db = fused_divergence(hs, ht, w, labels, beta=0.5, compile=False)
     torch.testing.assert_close(a, b)
     assert list(da) == list(db)
+
+
+def test_one_fused_path():
+    "fused_triton has no chunk loop or fused entry point of its own, and opsd.fused does not import it."
+    import inspect
+    import opsd.fused
+    assert not hasattr(ft, "fused_divergence") and not hasattr(ft, "fused_divergence_triton")
+    assert not [n for n, v in vars(ft).items() if isinstance(v, type) and issubclass(v, torch.autograd.Function)]
+    assert "fused_triton" not in inspect.getsource(opsd.fused)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Qwen3's vocabulary at the compiled kernel's default tile: CUDA only")
