@@ -21,9 +21,26 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     tok = toy_tokenizer()
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=1024,
-                                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                         max_position_embeddings=1024, tie_word_embeddings=True,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
     path = tmp_path_factory.mktemp("ckpt") / "tiny-qwen3"
+    model.save_pretrained(path); tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def sharp_ckpt(tmp_path_factory) -> Path:
+    "`tiny_ckpt` with larger weights (initializer_range 0.2): peaked outputs, teacher != student, the clip acts."
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from opsd.toy import toy_tokenizer
+    tok = toy_tokenizer()
+    torch.manual_seed(1)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                         max_position_embeddings=1024, tie_word_embeddings=True, initializer_range=0.2,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    path = tmp_path_factory.mktemp("ckpt") / "sharp-qwen3"
     model.save_pretrained(path); tok.save_pretrained(path)
     return path
 
@@ -44,7 +61,8 @@ def toy_data_file(toy_problems, tmp_path_factory) -> Path:
     "The toy problems as a jsonl file (what a user passes with --data)."
     import json
     path = tmp_path_factory.mktemp("data") / "toy.jsonl"
-    path.write_text("".join(json.dumps({k: p[k] for k in ("problem", "solution", "answer")}) + "\n" for p in toy_problems))
+    keys = ("problem", "solution", "answer")
+    path.write_text("".join(json.dumps({k: p[k] for k in keys}) + "\n" for p in toy_problems))
     return path
 
 
