@@ -42,7 +42,8 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-300))
 
 
-GRID = [(41, c, b, k) for c, b, k in itertools.product(["none", "entry", "token", "scaled"], [0.0, 0.5, 1.0], [None, 50])]
+CLIPS = ["none", "entry", "token", "scaled"]
+GRID = [(41, c, b, k) for c, b, k in itertools.product(CLIPS, [0.0, 0.5, 1.0], [None, 50])]
 GRID += [(401, c, b, None) for c, b in itertools.product(["none", "entry", "token", "scaled"], [0.0, 0.5, 1.0])]
 
 @pytest.mark.parametrize("T,clip,beta,top_k", GRID)
@@ -79,7 +80,8 @@ def test_diagnostics_match_clip_diagnostics(beta):
     s1, s2 = summarize_diagnostics(diag), summarize_diagnostics(ref)
     for k in s2: assert s1[k] == pytest.approx(s2[k], rel=1e-9, abs=1e-12), k
     # the per-position loss of the chosen mode sums to the loss
-    assert float(diag["loss"][m].sum() / m.sum()) == pytest.approx(float(opsd_loss(hs @ w.T, ht @ w.T, labels, beta=beta, temperature=1.1)), rel=1e-10)
+    whole = opsd_loss(hs @ w.T, ht @ w.T, labels, beta=beta, temperature=1.1)
+    assert float(diag["loss"][m].sum() / m.sum()) == pytest.approx(float(whole), rel=1e-10)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 64, 10_000])
@@ -176,3 +178,72 @@ def test_default_chunk_size():
     assert default_chunk_size(151936, "cuda") == 256
     assert default_chunk_size(32768, "cpu") == 64
     assert 16 <= default_chunk_size(10**7, "cpu") and default_chunk_size(10, "cuda") == 1024
+
+
+def test_chunk_fn_plugin_is_what_runs():
+    """`fused_divergence(chunk_fn=...)` runs that function in the one chunk loop: the torch chunk math passed in is
+    bit-identical to the default and called once per chunk; a wrong per-chunk function changes the results (so a
+    plug-in cannot be silently ignored); a misfit one is refused by name; nothing is written into the arguments.
+    Break that fails it: the loop ignoring `chunk_fn` (always `chunk_divergence`)."""
+    from opsd.fused import chunk_divergence, _FusedDivergence
+    hs, ht, w, labels = case(B=2, T=41, seed=12)
+    n = int((labels != -100).sum())
+    kw = dict(temperature=1.1, clip="entry", tau=0.05, chunk_size=16)
+    calls = []
+    def counted(zs, zt, **k):
+        calls.append(zs.shape[0]); return chunk_divergence(zs, zt, **k)
+    base, dbase = fused(hs, ht, w, labels, compile=False, **kw)
+    got, dgot = fused(hs, ht, w, labels, chunk_fn=counted, **kw)
+    assert calls == [16] * (n // 16) + ([n % 16] if n % 16 else [])
+    for a, b in zip(got, base): assert torch.equal(a, b)
+    assert list(dgot) == list(dbase) and all(torch.equal(dgot[k], dbase[k]) for k in dbase)
+    # a wrong per-chunk function (no clip, whatever the call says) is visible in every output
+    def unclipped(zs, zt, **k): return chunk_divergence(zs, zt, **{**k, "clip": "none"})
+    bad, dbad = fused(hs, ht, w, labels, chunk_fn=unclipped, **kw)
+    assert abs(float(bad[0].detach() - base[0].detach())) > 1e-3
+    assert rel(bad[1], base[1]) > 1e-2 and rel(bad[2], base[2]) > 1e-2
+    assert not torch.allclose(dbad["update_cos"], dbase["update_cos"])
+    # one that breaks the contract is refused, naming it
+    def wrong_grad(zs, zt, **k):
+        per, g, d = chunk_divergence(zs, zt, **k); return per, g[:, :-1], d
+    def no_diag(zs, zt, **k):
+        per, g, _ = chunk_divergence(zs, zt, **k); return per, g, {}
+    def wrong_dtype(zs, zt, **k):
+        per, g, d = chunk_divergence(zs, zt, **k); return per, g.float(), d
+    for f in (wrong_grad, no_diag, wrong_dtype):
+        with pytest.raises(ValueError, match=f"chunk_fn {f.__name__}"):
+            fused_divergence(hs, ht, w, labels, chunk_fn=f, **kw)
+    with pytest.raises(ValueError, match="torch chunk math"):
+        fused_divergence(hs, ht, w, labels, chunk_fn=counted, compile=True, **kw)
+    # outputs are returned: the options passed to the autograd Function come back unchanged
+    opts = dict(beta=0.0, temperature=1.1, clip="entry", tau=0.05, top_k=None, diagnostics=True,
+                chunk_fn=chunk_divergence, pad=False, chunk_size=16, scale=0.1)
+    before = dict(opts)
+    out = _FusedDivergence.apply(hs.detach()[0], ht[0], w.detach(), opts)
+    assert opts == before and len(out) == 2 + len(POSITION_KEYS)
+
+
+@pytest.mark.parametrize("clip", ["none", "entry", "token", "scaled"])
+def test_matches_handwritten_reference(clip):
+    """Loss, both gradients and the clip instruments against forward KL written here with torch only (no opsd.loss):
+    e = t log(t / s), entry = sum min(e, tau), token = min(D, tau), scaled = D sg[min(1, tau / D)], autograd.
+    Breaks that fail it: the clip rule's kept set by magnitude (`entry_kept(e.abs(), tau)` in `opsd.loss.clip_rule`),
+    or the scaled factor without `clamp(max=1)`."""
+    hs, ht, w, labels = case(T=401, seed=401)
+    T, tau, m = 1.1, 0.05, labels != -100
+    s_logp = torch.log_softmax((hs @ w.T) / T, -1)
+    t_logp = torch.log_softmax((ht @ w.detach().T) / T, -1)
+    e = torch.where(t_logp.exp() > 0, t_logp.exp() * (t_logp - s_logp), 0.0)
+    D = e.sum(-1)
+    per = {"none": D, "entry": e.clamp(max=tau).sum(-1), "token": D.clamp(max=tau),
+           "scaled": D * (tau / D.detach()).clamp(max=1.0)}[clip]
+    ref_loss = per[m].sum() / m.sum()
+    ref = (ref_loss, *torch.autograd.grad(ref_loss, [hs, w]))
+    got, diag = fused(hs, ht, w, labels, temperature=T, clip=clip, tau=tau, chunk_size=64)
+    assert abs(float(got[0].detach() - ref[0].detach())) < 1e-12
+    assert rel(got[1], ref[1]) < 1e-10 and rel(got[2], ref[2]) < 1e-10
+    kept = e.detach() <= tau
+    t = t_logp.exp()
+    torch.testing.assert_close(diag["loss"][m], per.detach()[m])
+    torch.testing.assert_close(diag["entry/loss"][m], e.detach().clamp(max=tau).sum(-1)[m])
+    torch.testing.assert_close(diag["entry/clipped_teacher_mass"][m], (t * ~kept).sum(-1)[m])

@@ -19,7 +19,8 @@ from opsd.fused import bf16_case, grad_error, fused_divergence
 from opsd.loss import divergence
 
 DEVICE = "cpu" if ft.interpreting() else ("cuda" if torch.cuda.is_available() else None)
-pytestmark = pytest.mark.skipif(DEVICE is None, reason="triton was imported without TRITON_INTERPRET=1 and there is no GPU")
+pytestmark = pytest.mark.skipif(DEVICE is None,
+                                reason="triton was imported without TRITON_INTERPRET=1 and there is no GPU")
 TOL = {torch.float64: 1e-11, torch.float32: 3e-5}
 
 
@@ -71,7 +72,7 @@ def test_argmax_clipped_exercised_and_ties():
     zt[:, 7] = zt[:, 250] = zt.max(-1).values + 1.0        # tie between tile 0 and tile 3 (block 64)
     zs = zt + 0.05 * torch.randn(C, V, generator=g, dtype=torch.float64)   # close everywhere except where pushed below
     zs, zt = zs.to(DEVICE), zt.to(DEVICE)
-    zs[:3, 7] -= 6.0                                         # rows 0-2: the first argmax is badly under-predicted -> clipped
+    zs[:3, 7] -= 6.0                                         # rows 0-2: the first argmax badly under-predicted: clipped
     zs[3:, 250] -= 6.0                                       # rows 3-5: only the second one is
     err, rd = compare(zs, zt, 64, temperature=1.0, clip="entry", tau=0.05)
     assert max(err.values()) < TOL[torch.float64], err
@@ -102,7 +103,8 @@ def test_bf16_gradient_out_and_scale():
     zs, zt = pair(5, 515, torch.float32, seed=2)
     g = torch.empty(5, 515, dtype=torch.bfloat16, device=DEVICE)
     out = torch.zeros(len(POSITION_KEYS), 9, dtype=torch.float32, device=DEVICE)
-    per, g2, _ = ft.chunk_divergence_triton(zs, zt, temperature=1.1, grad_scale=0.25, grad_out=g, out=out[:, 3:8], block=128)
+    per, g2, _ = ft.chunk_divergence_triton(zs, zt, temperature=1.1, grad_scale=0.25, grad_out=g, out=out[:, 3:8],
+                                            block=128)
     rper, rg, _ = loss_grad_diagnostics(zs, zt, temperature=1.1)
     assert g2 is g and g.dtype == torch.bfloat16
     assert grad_error(g.float(), rg * 0.25) < 5e-3

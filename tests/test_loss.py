@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-from opsd.loss import CLIP_MODES, divergence, divergence_grad, opsd_loss, entry_summands, log_probs, sampled_token_loss
+from opsd.loss import (CLIP_MODES, divergence, divergence_grad, opsd_loss, entry_summands, log_probs,
+                       sampled_token_loss, sampled_token_terms)
 from opsd.diagnostics import clip_diagnostics, summarize_diagnostics
 
 settings.register_profile("opsd", max_examples=40, deadline=None, derandomize=True)
@@ -98,7 +99,8 @@ def test_temperature_and_beta_limits(p):
     p_min = min(log_probs(zs).exp().min().item(), log_probs(zt).exp().min().item())
     assume(p_min > 1e-5)
     torch.testing.assert_close(divergence(zs, zt, beta=eps) / eps, divergence(zs, zt, beta=0.0), rtol=1e-3, atol=1e-6)
-    torch.testing.assert_close(divergence(zs, zt, beta=1 - eps) / eps, divergence(zs, zt, beta=1.0), rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(divergence(zs, zt, beta=1 - eps) / eps, divergence(zs, zt, beta=1.0),
+                               rtol=1e-3, atol=1e-6)
     # identical distributions: zero for every beta
     for beta in (0.0, 0.5, 1.0):
         assert divergence(zt, zt, beta=beta).abs().max() < 1e-12
@@ -136,7 +138,8 @@ def test_leading_shape_and_dtype_invariance(p, clip):
     torch.testing.assert_close(divergence(zs, zt, clip=clip).reshape(-1), flat)
     assert divergence(zs.bfloat16(), zt.bfloat16(), clip=clip).dtype == torch.float32
     assert divergence(zs.double(), zt.double(), clip=clip).dtype == torch.float64
-    torch.testing.assert_close(divergence(zs.double(), zt.double(), clip=clip).float(), divergence(zs, zt, clip=clip), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(divergence(zs.double(), zt.double(), clip=clip).float(), divergence(zs, zt, clip=clip),
+                               rtol=1e-4, atol=1e-5)
     # bf16 inputs are computed in fp32 of the rounded values
     torch.testing.assert_close(divergence(zs.bfloat16(), zt.bfloat16(), clip=clip),
                                divergence(zs.bfloat16().float(), zt.bfloat16().float(), clip=clip))
@@ -205,4 +208,76 @@ def test_worked_example_regression():
     s = torch.tensor([0.3, 0.3, 0.4], dtype=torch.float64)
     assert abs(divergence(s.log(), t.log()).item() - 0.27726) < 1e-4
     assert abs(divergence(s.log(), t.log(), clip="entry").item() - (-0.08863)) < 1e-4
-    torch.testing.assert_close(divergence_grad(s.log(), t.log(), clip="entry"), torch.tensor([0.12, -0.18, 0.06], dtype=torch.float64))
+    torch.testing.assert_close(divergence_grad(s.log(), t.log(), clip="entry"),
+                               torch.tensor([0.12, -0.18, 0.06], dtype=torch.float64))
+
+
+def _cos(a, b):
+    return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp(min=1e-30)
+
+
+@given(logit_pairs(), betas, taus, st.sampled_from([None, 2]), st.sampled_from([None, *CLIP_MODES]))
+def test_diagnostics_cosines_are_divergence_grad_cosines(p, beta, tau, top_k, clip):
+    """entry/grad_cos and update_cos are the cosines of `divergence_grad` itself (entry vs none, own clip vs none).
+    Break that fails it: `diagnostics_from_terms` using the true gradient as the run's own for 'token'."""
+    zs, zt = p
+    kw = dict(beta=beta, temperature=1.1, tau=tau, top_k=top_k)
+    d = clip_diagnostics(zs, zt, clip=clip, **kw)
+    g_true = divergence_grad(zs, zt, clip=None, **kw)
+    torch.testing.assert_close(d["entry/grad_cos"], _cos(divergence_grad(zs, zt, clip="entry", **kw), g_true),
+                               atol=1e-10, rtol=1e-9)
+    torch.testing.assert_close(d["update_cos"], _cos(divergence_grad(zs, zt, clip=clip, **kw), g_true),
+                               atol=1e-10, rtol=1e-9)
+    torch.testing.assert_close(d["loss"], divergence(zs, zt, clip=clip, **kw))
+
+
+@given(logit_pairs(), taus, temps)
+def test_diagnostics_against_hand_formulas(p, tau, temperature):
+    """Every instrument (forward KL) against formulas written here without opsd.loss: e_v = t_v log(t_v/s_v),
+    U = {e_v <= tau}, g_true = (s - t)/T, g_entry = (s t_U - t [U])/T, and each clip's value and update factor.
+    Breaks that fail it: the clip rule's kept set by magnitude (`entry_kept(e.abs(), tau)` in `clip_rule`),
+    or the scaled factor without `clamp(max=1)`."""
+    zs, zt = p
+    s_logp, t_logp = torch.log_softmax(zs / temperature, -1), torch.log_softmax(zt / temperature, -1)
+    s, t = s_logp.exp(), t_logp.exp()
+    e = torch.where(t > 0, t * (t_logp - s_logp), 0.0)
+    kl, kept = e.sum(-1), e <= tau
+    g_true = (s - t) / temperature
+    g_entry = (s * (t * kept).sum(-1, keepdim=True) - t * kept) / temperature
+    own = {"none": (kl, torch.ones_like(kl)), "entry": (torch.minimum(e, torch.tensor(tau)).sum(-1), None),
+           "token": (torch.minimum(kl, torch.tensor(tau)), (kl <= tau).double()),
+           "scaled": (kl * torch.clamp(tau / kl, max=1.0), torch.clamp(tau / kl, max=1.0))}
+    for clip in CLIP_MODES:
+        d = clip_diagnostics(zs, zt, temperature=temperature, tau=tau, clip=clip)
+        torch.testing.assert_close(d["kl/true"], kl)
+        torch.testing.assert_close(d["loss"], own[clip][0])
+        torch.testing.assert_close(d["entry/loss"], own["entry"][0])
+        torch.testing.assert_close(d["entry/clipped_entry_frac"], (~kept).double().mean(-1))
+        torch.testing.assert_close(d["entry/clipped_teacher_mass"], (t * ~kept).sum(-1))
+        torch.testing.assert_close(d["entry/clipped_student_mass"], (s * ~kept).sum(-1))
+        assert torch.equal(d["entry/argmax_clipped"], (~kept).gather(-1, t.argmax(-1, keepdim=True)).squeeze(-1))
+        torch.testing.assert_close(d["entry/grad_cos"], _cos(g_entry, g_true), atol=1e-9, rtol=1e-7)
+        g_own = g_entry if clip == "entry" else g_true * own[clip][1].unsqueeze(-1)
+        torch.testing.assert_close(d["update_cos"], _cos(g_own, g_true), atol=1e-9, rtol=1e-7)
+        # the closed-form gradient of each mode, too
+        torch.testing.assert_close(divergence_grad(zs, zt, temperature=temperature, clip=clip, tau=tau), g_own,
+                                   atol=1e-10, rtol=1e-7)
+
+
+def test_sampled_token_terms():
+    "Per position: -stopgrad(t - s) * s, 0 where masked, gradient -(t - s) through s only; the loss is sum / count."
+    g = torch.Generator().manual_seed(0)
+    s = (-torch.rand(3, 7, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    t = -torch.rand(3, 7, generator=g, dtype=torch.float64) * 3
+    mask = torch.rand(3, 7, generator=g) < 0.7
+    per = sampled_token_terms(s, t, mask)
+    expect = torch.where(mask, -(t - s.detach()) * s.detach(), 0.0)
+    torch.testing.assert_close(per.detach(), expect, rtol=0, atol=0)
+    per.sum().backward()
+    torch.testing.assert_close(s.grad, torch.where(mask, -(t - s.detach()), 0.0), rtol=0, atol=0)
+    torch.testing.assert_close(sampled_token_loss(s, t, mask), expect.sum() / mask.sum())
+    torch.testing.assert_close(sampled_token_loss(s, t, mask, num_items=40), expect.sum() / 40)
+    assert sampled_token_terms(s.float(), t.float(), mask).dtype == torch.float32
+    assert sampled_token_terms(s.bfloat16(), t.bfloat16(), mask).dtype == torch.float32
+    with pytest.raises(ValueError, match="mask"):
+        sampled_token_terms(s, t, mask[:, :3])
