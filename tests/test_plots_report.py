@@ -1,5 +1,6 @@
 """Tests of opsd.plots (figures carry the frame's numbers, colours per clip mode, clear errors) and
 opsd.report (a self-contained offline HTML page, PNGs through kaleido when a Chromium exists)."""
+
 import json
 import re
 import shutil
@@ -45,8 +46,12 @@ def test_kl_drift_mean_and_band_over_seeds(metrics):
     fig = plots.kl_drift(metrics)
     mean = next(d for d in fig.data if d.name == "entry (mean of 3)")
     band = next(d for d in fig.data if d.name == "entry ±1 sd")
-    e = metrics.filter(pl.col("clip") == "entry").group_by("step").agg(
-        m=pl.col("kl/true").mean(), sd=pl.col("kl/true").std()).sort("step")
+    e = (
+        metrics.filter(pl.col("clip") == "entry")
+        .group_by("step")
+        .agg(m=pl.col("kl/true").mean(), sd=pl.col("kl/true").std())
+        .sort("step")
+    )
     np.testing.assert_allclose(mean.y, e["m"].to_numpy())
     upper = np.asarray(band.y[: e.height])
     np.testing.assert_allclose(upper, (e["m"] + e["sd"]).to_numpy())
@@ -70,7 +75,9 @@ def test_synthetic_metrics_encode_the_keys_meaning(metrics):
     assert (none["loss"] >= 0).all() and np.allclose(none["loss"], none["kl/true"], atol=1e-4)
     assert set(metrics.filter(pl.col("clip").is_in(["scaled", "none"]))["update_cos"].to_list()) == {1.0}
     e = metrics.filter(pl.col("clip") == "entry")
-    assert e["loss"].to_list() == e["entry/loss"].to_list() and e["update_cos"].to_list() == e["entry/grad_cos"].to_list()
+    assert (
+        e["loss"].to_list() == e["entry/loss"].to_list() and e["update_cos"].to_list() == e["entry/grad_cos"].to_list()
+    )
     assert e["loss"].min() < 0
 
 
@@ -90,7 +97,9 @@ def test_entry_loss_sign_measured_on_every_run(metrics):
     neg = [d for d in fig.data if d.yaxis == "y2"]
     assert len(neg) == 8  # band + mean per clip mode: the instrument exists for every run
     none_neg = next(d for d in neg if d.name.startswith("none") and d.fill != "toself")  # the mean, not its band
-    expect = metrics.filter(pl.col("clip") == "none").group_by("step").agg(pl.col("entry/neg_loss_frac").mean()).sort("step")
+    expect = (
+        metrics.filter(pl.col("clip") == "none").group_by("step").agg(pl.col("entry/neg_loss_frac").mean()).sort("step")
+    )
     np.testing.assert_allclose(none_neg.y, expect["entry/neg_loss_frac"].to_numpy())
     one_panel = plots.entry_loss_sign(metrics.drop("entry/neg_loss_frac"))
     assert all(d.yaxis in (None, "y") for d in one_panel.data)
@@ -105,14 +114,21 @@ def test_argmax_clipped_and_grad_cos(metrics):
     assert set(upd.y) == {1.0}  # the scaled update is parallel to the true gradient
     # nulls (a metric not logged every step) are dropped, not plotted as zeros
     m = metrics.filter(pl.col("seed") == 0).with_columns(
-        pl.when(pl.col("step") % 2 == 0).then(None).otherwise(pl.col("entry/grad_cos")).alias("entry/grad_cos"))
+        pl.when(pl.col("step") % 2 == 0).then(None).otherwise(pl.col("entry/grad_cos")).alias("entry/grad_cos")
+    )
     d = next(d for d in plots.grad_cos(m).data if d.xaxis == "x2")
     assert all(x % 2 == 1 for x in d.x)
 
 
 def test_by_kl_band_means():
-    pos = pl.DataFrame({"clip": ["entry"] * 6 + ["none"] * 6, "step": [1, 1, 1, 2, 2, 2] * 2,
-                        "kl/true": [0.01, 0.02, 0.5, 0.01, 0.5, 2.0] * 2, "entry/grad_cos": [0.9, 0.7, 0.1, 0.8, 0.3, -0.5] * 2})
+    pos = pl.DataFrame(
+        {
+            "clip": ["entry"] * 6 + ["none"] * 6,
+            "step": [1, 1, 1, 2, 2, 2] * 2,
+            "kl/true": [0.01, 0.02, 0.5, 0.01, 0.5, 2.0] * 2,
+            "entry/grad_cos": [0.9, 0.7, 0.1, 0.8, 0.3, -0.5] * 2,
+        }
+    )
     fig = plots.by_kl_band(pos, edges=(0, 0.05, 1.0), step_window=2, min_count=1)
     low = next(d for d in fig.data if d.name == "KL 0–0.05" and d.xaxis == "x")
     mid = next(d for d in fig.data if d.name == "KL 0.05–1" and d.xaxis == "x")
@@ -124,8 +140,13 @@ def test_by_kl_band_means():
 
 
 def test_argmax_clipped_vs_tau():
-    f = pl.DataFrame({"tau": [0.2, 0.01, 0.05, 0.05], "entry/argmax_clipped_frac": [0.01, 0.3, 0.1, 0.2],
-                      "entry/clipped_teacher_mass": [0.02, 0.5, 0.2, 0.3]})
+    f = pl.DataFrame(
+        {
+            "tau": [0.2, 0.01, 0.05, 0.05],
+            "entry/argmax_clipped_frac": [0.01, 0.3, 0.1, 0.2],
+            "entry/clipped_teacher_mass": [0.02, 0.5, 0.2, 0.3],
+        }
+    )
     fig = plots.argmax_clipped_vs_tau(f)
     assert fig.layout.xaxis.type == "log"
     arg = fig.data[0]
@@ -164,7 +185,9 @@ def test_accuracy_band_is_the_95_t_interval_over_seeds():
     assert sc.customdata[1][0] == pytest.approx(half, rel=1e-3)
     assert band.y[1] == pytest.approx(vals.mean() + half, rel=1e-3)
     one = plots.accuracy(s.filter(pl.col("seed") == 0))
-    assert len(one.data) == 4 and all(d.customdata[i][0] == 0.0 for d in one.data for i in range(2))  # one seed: no band
+    assert len(one.data) == 4 and all(
+        d.customdata[i][0] == 0.0 for d in one.data for i in range(2)
+    )  # one seed: no band
     avg = plots.accuracy(s.rename({"acc": "avg_at_k"}))  # the summarize_eval column works too
     assert "avg_at_k" in avg.layout.yaxis.title.text
 
@@ -176,8 +199,16 @@ def test_seed_interval_t_quantiles():
     assert si["lo"] == pytest.approx(2.5 - 3.182 * np.std([1, 2, 3, 4], ddof=1) / 2, abs=2e-3)
 
 
-@pytest.mark.parametrize("fn,col", [(plots.kl_drift, "kl/true"), (plots.loss_by_clip, "loss"), (plots.entry_loss_sign, "entry/loss"),
-                                    (plots.argmax_clipped, "entry/argmax_clipped_frac"), (plots.grad_cos, "update_cos")])
+@pytest.mark.parametrize(
+    "fn,col",
+    [
+        (plots.kl_drift, "kl/true"),
+        (plots.loss_by_clip, "loss"),
+        (plots.entry_loss_sign, "entry/loss"),
+        (plots.argmax_clipped, "entry/argmax_clipped_frac"),
+        (plots.grad_cos, "update_cos"),
+    ],
+)
 def test_missing_columns_are_named(metrics, fn, col):
     drop = [col, "entry/grad_cos"] if col == "update_cos" else [col]
     with pytest.raises(ValueError, match=col):
@@ -188,12 +219,105 @@ def test_missing_columns_are_named(metrics, fn, col):
 
 def test_plots_never_touch_disk(metrics, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    plots.kl_drift(metrics), plots.loss_by_clip(metrics), plots.entry_loss_sign(metrics), plots.accuracy(plots.synthetic_eval_summary())
+    (
+        plots.kl_drift(metrics),
+        plots.loss_by_clip(metrics),
+        plots.entry_loss_sign(metrics),
+        plots.accuracy(plots.synthetic_eval_summary()),
+    )
     plots.clipped_mass_vs_divergence(plots.synthetic_positions(500))
     assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- report
+# ---------------------------------------------------------------- figures saved in notebooks: one compressed PNG
+def _encode_ref(px, filters):
+    "Reference PNG encoder written from the PNG spec: each line filtered by its formula (0 None .. 4 Paeth), zlib."
+    import zlib
+
+    h, w, ch = px.shape
+    lines, prev = [], np.zeros(w * ch, int)
+    for y in range(h):
+        cur, f = px[y].reshape(-1).astype(int), filters[y % len(filters)]
+        left = np.r_[np.zeros(ch, int), cur[:-ch]]
+        upleft = np.r_[np.zeros(ch, int), prev[:-ch]]
+        p = left + prev - upleft
+        paeth = np.where(
+            (abs(p - left) <= abs(p - prev)) & (abs(p - left) <= abs(p - upleft)),
+            left,
+            np.where(abs(p - prev) <= abs(p - upleft), prev, upleft),
+        )
+        pred = [0 * cur, left, prev, (left + prev) // 2, paeth][f]
+        lines.append(bytes([f]) + ((cur - pred) % 256).astype(np.uint8).tobytes())
+        prev = cur
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, {1: 0, 2: 4, 3: 2, 4: 6}[ch], 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + plots._png_chunk(b"IHDR", ihdr)
+        + plots._png_chunk(b"IDAT", zlib.compress(b"".join(lines)))
+        + plots._png_chunk(b"IEND", b"")
+    )
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3), (7, 5, 1), (13, 11, 3), (6, 41, 4), (9, 3, 2)])
+def test_png_pixels_undo_every_filter(shape):
+    "Breaks seen failing: the Up filter adding the line above twice; Paeth preferring `b` on ties."
+    rng = np.random.default_rng(sum(shape))
+    img = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    for filters in ([0], [1], [2], [3], [4], [4, 3, 2, 1, 0]):
+        np.testing.assert_array_equal(plots.png_pixels(_encode_ref(img, filters)), img)
+    with pytest.raises(ValueError, match="not a PNG"):
+        plots.png_pixels(b"GIF89a....")
+
+
+def test_compress_png_exact_below_256_colours_else_nearest():
+    "Indexed output; exact with <= 256 colours, else every pixel the nearest of the most frequent colours."
+    rng = np.random.default_rng(1)
+    few = rng.integers(0, 256, size=(200, 3), dtype=np.uint8)[rng.integers(0, 200, size=(30, 40))]
+    opaque = np.concatenate([few, np.full((30, 40, 1), 255, np.uint8)], 2)
+    small = plots.compress_png(_encode_ref(opaque, [2]))
+    assert small[25] == 3  # colour type 3
+    np.testing.assert_array_equal(plots.png_pixels(small), few)
+    many = rng.integers(0, 256, size=(20, 30, 3), dtype=np.uint8)
+    many[:10] = many[0, 0]  # one dominant colour
+    got = plots.png_pixels(plots.compress_png(_encode_ref(many, [0]), colors=8)).reshape(-1, 3).astype(int)
+    keys, counts = np.unique(many.reshape(-1, 3), axis=0, return_counts=True)
+    pal = keys[np.argsort(-counts, kind="stable")[:8]].astype(int)
+    flat = many.reshape(-1, 3).astype(int)
+    best = ((flat[:, None] - pal[None]) ** 2).sum(-1).min(1)
+    np.testing.assert_array_equal(((got - flat) ** 2).sum(1), best)
+    assert {tuple(c) for c in got} <= {tuple(c) for c in pal}
+    transparent = opaque.copy()
+    transparent[0, 0, 3] = 0
+    png = _encode_ref(transparent, [1])
+    assert plots.compress_png(png) == png  # alpha is kept by keeping the file
+
+
+@pytest.mark.skipif(report.find_chrome() is None, reason="no Chrome/Chromium for kaleido")
+def test_notebook_figures_saves_one_small_png(metrics):
+    "A figure displays as ONE indexed PNG (no plotly JSON), close to kaleido's own PNG and several times smaller."
+    import base64
+    import plotly.io as pio
+
+    old = pio.renderers.default
+    try:
+        assert plots.notebook_figures() == "png"
+        fig = plots.kl_drift(metrics)
+        bundle = pio.renderers._build_mime_bundle(fig.to_dict())
+        assert set(bundle) == {"image/png"}
+        png = base64.b64decode(bundle["image/png"])
+        ref = pio.to_image(fig, format="png", width=800, height=fig.layout.height or 450)
+        a, b = plots.png_pixels(png).astype(int), plots.png_pixels(ref)[..., :3].astype(int)
+        assert a.shape == b.shape and png[25] == 3
+        assert np.abs(a - b).mean() < 1.0 and (a == b).all(-1).mean() > 0.9, (
+            np.abs(a - b).mean(),
+            (a == b).all(-1).mean(),
+        )
+        assert len(png) * 2.5 < len(ref), (len(png), len(ref))
+    finally:
+        pio.renderers.default = old
+
+
 def _eval_rows(metrics, steps=(0, 20), n=10, k=2):
     rng = np.random.default_rng(0)
     rows = []
@@ -202,8 +326,19 @@ def _eval_rows(metrics, steps=(0, 20), n=10, k=2):
             for i in range(n):
                 for j in range(k):
                     ok = bool(rng.random() < 0.5)
-                    rows.append(dict(run=run, step=step, seed=0, split="test", problem_id=str(i), sample=j,
-                                     correct=ok, pred="1" if ok else "2", answer="1"))
+                    rows.append(
+                        dict(
+                            run=run,
+                            step=step,
+                            seed=0,
+                            split="test",
+                            problem_id=str(i),
+                            sample=j,
+                            correct=ok,
+                            pred="1" if ok else "2",
+                            answer="1",
+                        )
+                    )
     return pl.DataFrame(rows)
 
 
@@ -237,9 +372,24 @@ def test_report_html_is_self_contained(built):
     assert page.count("* plotly.js v") == 1  # the bundle inlined exactly once
     assert re.search(r"<script[^>]+src=[\"']https?:", page) is None  # nothing from the network
     assert "mathjax" not in page.lower() or "cdnjs" not in page
-    names = list(report.report_figures(built["metrics"], built["evals"],
-                                       plots.synthetic_positions(800).with_columns(pl.lit("entry-s0").alias("run"))))
-    assert names == ["kl_drift", "loss_by_clip", "entry_loss_sign", "argmax_clipped", "grad_cos", "sampled_acc", "clipped_mass_entry", "grad_cos_by_band", "accuracy_test"]
+    names = list(
+        report.report_figures(
+            built["metrics"],
+            built["evals"],
+            plots.synthetic_positions(800).with_columns(pl.lit("entry-s0").alias("run")),
+        )
+    )
+    assert names == [
+        "kl_drift",
+        "loss_by_clip",
+        "entry_loss_sign",
+        "argmax_clipped",
+        "grad_cos",
+        "sampled_acc",
+        "clipped_mass_entry",
+        "grad_cos_by_band",
+        "accuracy_test",
+    ]
     for name in names:
         assert f'id="fig-{name}"' in page, name
     assert page.count("Plotly.newPlot") == len(names)
@@ -263,8 +413,19 @@ def test_report_table_numbers_come_from_the_frames(built):
 @pytest.mark.skipif(not HAVE_CHROME, reason="no Chrome/Chromium for kaleido")
 def test_report_pngs(built):
     pngs = sorted((built["out"] / "figures").glob("*.png"))
-    assert [p.stem for p in pngs] == sorted(["kl_drift", "loss_by_clip", "entry_loss_sign", "argmax_clipped", "grad_cos", "sampled_acc",
-                                             "clipped_mass_entry", "grad_cos_by_band", "accuracy_test"])
+    assert [p.stem for p in pngs] == sorted(
+        [
+            "kl_drift",
+            "loss_by_clip",
+            "entry_loss_sign",
+            "argmax_clipped",
+            "grad_cos",
+            "sampled_acc",
+            "clipped_mass_entry",
+            "grad_cos_by_band",
+            "accuracy_test",
+        ]
+    )
     for p in pngs:
         w, h = _is_png(p)
         assert w >= 1000 and h >= 400, (p, w, h)
@@ -276,10 +437,26 @@ def test_report_pngs(built):
 def test_report_renders_offline_in_chromium(built):
     # headless Chromium with the network off: every figure must become an SVG plot
     with tempfile.TemporaryDirectory() as profile:
-        dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                              f"--user-data-dir={profile}", "--proxy-server=127.0.0.1:9", "--virtual-time-budget=8000",
-                              "--dump-dom", built["index"].as_uri()], capture_output=True, text=True, timeout=120).stdout
+        dom = subprocess.run(
+            [
+                "chromium",
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                "--proxy-server=127.0.0.1:9",
+                "--virtual-time-budget=8000",
+                "--dump-dom",
+                built["index"].as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
     rendered = set(re.findall(r'id="fig-([^"]+)"[^>]*class="[^"]*js-plotly-plot', dom))
     rendered |= set(re.findall(r'class="[^"]*js-plotly-plot[^"]*"[^>]*id="fig-([^"]+)"', dom))
     assert len(rendered) == 9, rendered
@@ -317,8 +494,22 @@ def _write_run_dir(root: Path, name: str, clip: str, steps=6, positions="jsonl")
     with open(d / "eval.jsonl", "w") as f:
         for step in (0, steps):
             for i in range(4):
-                f.write(json.dumps(dict(run=name, step=step, seed=0, split="test", problem_id=str(i), sample=0,
-                                        correct=bool(i % 2), pred=str(i % 2), answer="1")) + "\n")
+                f.write(
+                    json.dumps(
+                        dict(
+                            run=name,
+                            step=step,
+                            seed=0,
+                            split="test",
+                            problem_id=str(i),
+                            sample=0,
+                            correct=bool(i % 2),
+                            pred=str(i % 2),
+                            answer="1",
+                        )
+                    )
+                    + "\n"
+                )
     pos = plots.synthetic_positions(300).drop("run", "clip", "step")
     if positions == "jsonl":  # what opsd.train writes
         with open(d / "positions.jsonl", "w") as f:
@@ -330,14 +521,18 @@ def _write_run_dir(root: Path, name: str, clip: str, steps=6, positions="jsonl")
 
 
 def test_write_report_from_run_folders(tmp_path):
-    dirs = [_write_run_dir(tmp_path / "runs", "a", "entry"),
-            _write_run_dir(tmp_path / "runs", "b", "scaled", positions="parquet")]
+    dirs = [
+        _write_run_dir(tmp_path / "runs", "a", "entry"),
+        _write_run_dir(tmp_path / "runs", "b", "scaled", positions="parquet"),
+    ]
     index = report.write_report(dirs, tmp_path / "rep", title="two runs", png=False)
     page = index.read_text()
     for fig in ("kl_drift", "loss_by_clip", "accuracy_test", "clipped_mass_entry", "clipped_mass_scaled"):
         assert f'id="fig-{fig}"' in page, fig
     assert "<summary>a</summary>" in page and "<summary>b</summary>" in page
-    table = report.run_summary(*[pl.concat([report.load_run(d)[i] for d in dirs], how="diagonal_relaxed") for i in (0, 1)])
+    table = report.run_summary(
+        *[pl.concat([report.load_run(d)[i] for d in dirs], how="diagonal_relaxed") for i in (0, 1)]
+    )
     assert table["run"].to_list() == ["a", "b"] and table["steps"].to_list() == [6, 6]
     assert table["acc_last"].to_list() == [0.5, 0.5]
     with pytest.raises(ValueError, match="not a run folder"):
@@ -353,28 +548,73 @@ def test_report_of_a_real_training_run(tmp_path):
     from opsd.eval import grade, sweep_checkpoints
     from opsd.rollout import SamplingConfig
     from opsd.runs import read_eval, read_metrics, read_positions
+
     train = pytest.importorskip("opsd.train")
 
     torch.set_num_threads(1)
     tok = qwen3_tokenizer()
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(tmp_path / "base")
+    Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=151936,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            tie_word_embeddings=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    ).save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
-    probs = [dict(problem=f"What is {a} + {b}?", solution=f"{a} + {b} = {a + b}. \\boxed{{{a + b}}}", answer=str(a + b))
-             for a in range(3) for b in range(3)]
-    cfg = train.OPSDConfig(model=str(tmp_path / "base"), run_dir=str(tmp_path / "runs" / "tiny"), clip="entry", lora_r=4,
-                           lora_alpha=8, lr=1e-2, batch_size=4, micro_batch_size=4, steps=2, save_every=1, dtype="float32",
-                           max_completion_length=6, log_positions=16)
+    probs = [
+        dict(problem=f"What is {a} + {b}?", solution=f"{a} + {b} = {a + b}. \\boxed{{{a + b}}}", answer=str(a + b))
+        for a in range(3)
+        for b in range(3)
+    ]
+    cfg = train.OPSDConfig(
+        model=str(tmp_path / "base"),
+        run_dir=str(tmp_path / "runs" / "tiny"),
+        clip="entry",
+        lora_r=4,
+        lora_alpha=8,
+        lr=1e-2,
+        batch_size=4,
+        micro_batch_size=4,
+        steps=2,
+        save_every=1,
+        dtype="float32",
+        max_completion_length=6,
+        log_positions=16,
+    )
     run = train.OPSDTrainer(cfg, probs, grader=lambda t, a: grade(t, a, "exact"), progress=False).fit()
     from transformers import AutoModelForCausalLM
+
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
-    sweep_checkpoints(run, base, tok, probs[:3], k=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6), backend="hf", progress=False)
+    sweep_checkpoints(
+        run,
+        base,
+        tok,
+        probs[:3],
+        k=2,
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=6),
+        backend="hf",
+        progress=False,
+    )
     index = report.write_report([run], tmp_path / "report", png=False)
     page = index.read_text()
     m = read_metrics(run).sort("step")
-    for name in ("kl_drift", "loss_by_clip", "entry_loss_sign", "argmax_clipped", "grad_cos", "clipped_mass_entry", "accuracy_test"):
+    for name in (
+        "kl_drift",
+        "loss_by_clip",
+        "entry_loss_sign",
+        "argmax_clipped",
+        "grad_cos",
+        "clipped_mass_entry",
+        "accuracy_test",
+    ):
         assert f'id="fig-{name}"' in page, name
     assert f"{m['kl/true'][0]:.4g} → {m['kl/true'][-1]:.4g}" in page  # the table's numbers are the log's
     figs = report.report_figures(m, read_eval(run), read_positions(run))
