@@ -12,7 +12,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from fastcore.basics import patch
 
 from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, normaliser, CLIP_MODES
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_frame
@@ -24,7 +23,7 @@ from .runs import RunDir, DTYPES, load_model
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS',
-           'FUSED_KERNEL_MODES', 'OPSDConfig', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing',
+           'FUSED_KERNEL_MODES', 'patch', 'OPSDConfig', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing',
            'bf16_adapter_compute', 'Teacher', 'save_checkpoint', 'load_checkpoint', 'StepPlan', 'Samples',
            'BackwardResult', 'UpdateResult', 'Timings', 'OPSDTrainer', 'train']
 
@@ -302,6 +301,15 @@ def load_checkpoint(path, model, optimizer, scheduler, teacher: Teacher) -> int:
     return int(st["step"])
 
 # %% ../nbs/06_train.ipynb #4483335e
+def _patch(f):
+    "Make `f` a method of the class in its `self` annotation (fastcore's `patch`, without a runtime dependency)."
+    cls = f.__annotations__["self"]
+    cls = f.__globals__[cls] if isinstance(cls, str) else cls
+    f.__qualname__ = f"{cls.__name__}.{f.__name__}"
+    setattr(cls, f.__name__, f)
+    return f
+patch = _patch  # the decorator's name must start with `patch` for nbdev to keep the methods out of `__all__`
+
 @dataclass
 class StepPlan:
     "The problems of one optimizer step: all of them (`idx`, every process) and this process's share (`mine`)."

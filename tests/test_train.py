@@ -149,3 +149,24 @@ def test_shared_rollout_gets_each_trainers_weights(tiny_ckpt, toy_problems, tmp_
     b.step(1)                                               # and B trains with it, then syncs its own update into it
     want = merged_state_dict(b.unwrapped)
     for k in want: torch.testing.assert_close(b.rollout.gen_model.state_dict()[k], want[k], rtol=0, atol=0)
+
+
+def test_load_model_with_a_trained_checkpoint(tiny_ckpt, toy_problems, tmp_path):
+    """`opsd.runs.load_model(base, adapter=checkpoint)` gives the trained student's logits, not the base's.
+    Break checked: a loader that ignores `adapter` returns the base model and the first comparison fails."""
+    from opsd.runs import load_model, latest_checkpoint, list_checkpoints
+    cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "r"), steps=1, batch_size=4, micro_batch_size=4,
+                         max_completion_length=6, log_positions=0, lr=1e-2, padding="aligned")
+    tr = OPSDTrainer(cfg, toy_problems, progress=False)
+    tr.fit()
+    ck = latest_checkpoint(cfg.run_dir)
+    assert ck.name == "step-1" and list_checkpoints(cfg.run_dir) == [(1, ck)]
+    ids = torch.tensor([[5, 9, 13, 17, 21, 25]])
+    with torch.no_grad():
+        want = tr.unwrapped.eval()(ids).logits
+        model, tok = load_model(tiny_ckpt, "float32", adapter=ck)
+        got = model(ids).logits
+        base = load_model(tiny_ckpt, "float32")[0](ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert (got - base).abs().max() > 1e-4
+    assert tok.eos_token_id == tr.eos_id and not model.training
