@@ -346,12 +346,11 @@ def build_toy_base(cfg:ToyConfig|None=None, # full configuration (default: the p
     return path
 
 def load_toy_base(path:str|Path):
-    "`(model, tokenizer)` of a toy base folder (plain `from_pretrained`), model in eval mode."
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    "`(model, tokenizer)` of a toy base folder (through `opsd.runs.load_model`), model in eval mode."
+    from opsd.runs import load_model
     path = Path(path)
     if not (path / "config.json").exists(): raise FileNotFoundError(f"no toy base (config.json) in {path}")
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    return load_model(path, "float32")
 
 def toy_build_info(path:str|Path)->dict:
     "The `build.json` of a toy base (config, measurements, seconds)."
