@@ -1,4 +1,4 @@
-"""The offline render of nbs/00_loss.ipynb (tools/render_docs.py) shows its formulas and its figure with the network off.
+"""The offline render (tools/render_docs.py): 00_loss shows formulas and its figure with the network off; links work.
 
 Static checks on the HTML (no remote script/stylesheet, MathJax is a local file, the figure is an embedded PNG), then,
 where Debian's `chromium` is installed, the page is loaded headless with every network request refused and the DOM
@@ -139,3 +139,47 @@ def test_math_typesets_offline_in_chromium(rendered, tmp_path):
     control.write_text(text.replace(src, CDN_MATHJAX))
     bad = _parse(_dom(chromium, control, tmp_path / "profile2"))
     assert bad.classes.count("MathJax") == 0 and "$" in " ".join(bad.md_text)
+
+
+def test_rewrite_links_only_touches_relative_notebook_links():
+    rd = _tool()
+    body = ('<a href="00_loss.ipynb">a</a> <a href="../tutorials/gpu_qwen3.ipynb#setup">b</a> '
+            '<a href="https://nbviewer.org/x.ipynb">c</a> <a href="//host/y.ipynb">d</a> <a href="#sec">e</a> '
+            '<img src="k.ipynb">')
+    assert rd.rewrite_links(body) == (
+        '<a href="00_loss.html">a</a> <a href="../tutorials/gpu_qwen3.html#setup">b</a> '
+        '<a href="https://nbviewer.org/x.ipynb">c</a> <a href="//host/y.ipynb">d</a> <a href="#sec">e</a> '
+        '<img src="k.ipynb">')
+
+
+def test_rendered_links_resolve_and_every_page_links_to_contents(tmp_path):
+    """Index, a notebook and explanations rendered as `bash dev.sh docs` does: every relative link reaches a page.
+
+    Breaks seen failing: render() without rewrite_links (links stay `.ipynb`); without add_nav (no contents link);
+    main() writing contents.html only for an index-less set."""
+    rd = _tool()
+    nbs = ROOT / "nbs"
+    chosen = [nbs / "index.ipynb", nbs / "00_loss.ipynb", nbs / "explanations" / "findings.ipynb",
+              nbs / "explanations" / "kl_drift.ipynb"]
+    out = tmp_path / "site"
+    assert rd.main(["--out", str(out), *map(str, chosen)]) == 0
+    pages = [out / "index.html", out / "00_loss.html", out / "explanations" / "findings.html",
+             out / "explanations" / "kl_drift.html"]
+    contents = (out / "contents.html").read_text()
+    for page in pages:
+        assert f'href="{page.relative_to(out).as_posix()}"' in contents, page
+        links = [a for a in re.findall(r'<a\s[^>]*href="([^"]+)"', page.read_text())
+                 if not re.match(r"([a-z][\w+.-]*:|//|#)", a)]
+        assert any((page.parent / a).resolve() == (out / "contents.html").resolve() for a in links), page
+        for a in links:
+            target = a.split("#")[0].split("?")[0]
+            assert not target.endswith(".ipynb"), f"{page.name}: link {a} not rewritten to .html"
+            dest = (page.parent / target).resolve()
+            source = (nbs / dest.relative_to(out.resolve())).with_suffix(".ipynb")
+            assert dest.exists() or (target.endswith(".html") and source.exists()), f"{page.name}: dead link {a}"
+    index_links = re.findall(r'href="([^"]+\.html)"', (out / "index.html").read_text())
+    assert "00_loss.html" in index_links and "explanations/findings.html" in index_links
+    # one page alone still gets its contents page
+    single = tmp_path / "one"
+    assert rd.main(["--out", str(single), str(nbs / "04_collate.ipynb")]) == 0
+    assert 'href="04_collate.html"' in (single / "contents.html").read_text()

@@ -8,7 +8,9 @@ The notebooks are NOT executed: their saved outputs are used. What makes the pag
   `jupyter-server-mathjax`), copied to OUT/mathjax/, with the STIX-Web web fonts it ships;
 * figures: output bundles with both `application/vnd.plotly.v1+json` and `image/png` show the embedded PNG
   (images are preferred over HTML/JS renderers, which would need plotly.js from a CDN);
-* nothing else loads from a CDN: the require.js, mermaid and widget loaders of nbconvert's lab template are dropped.
+* nothing else loads from a CDN: the require.js, mermaid and widget loaders of nbconvert's lab template are dropped;
+* links: notebooks link to each other as relative `.ipynb` (what JupyterLab follows); on the pages they point to the
+  rendered `.html`, and every page starts with a link to `contents.html` (written next to the pages).
 nbdev cell directives are honoured loosely: `#| hide` drops the cell, `#| echo: false` hides its code,
 `#| output: false` its outputs, and the directive lines themselves are not shown.
 """
@@ -72,7 +74,8 @@ def mathjax_source() -> Path:
 def copy_mathjax(out: Path) -> Path:
     "Copy MathJax next to the pages once (skipped when the copy is already there and the same size)."
     src, dst = mathjax_source(), out / MATHJAX_DIR
-    if not ((dst / "MathJax.js").is_file() and (dst / "MathJax.js").stat().st_size == (src / "MathJax.js").stat().st_size):
+    same = (dst / "MathJax.js").is_file() and (dst / "MathJax.js").stat().st_size == (src / "MathJax.js").stat().st_size
+    if not same:
         shutil.copytree(src, dst, dirs_exist_ok=True)
     return dst
 
@@ -127,6 +130,25 @@ def exporter(mathjax_url: str) -> HTMLExporter:
     return e
 
 
+_NB_HREF = re.compile(r'(href=")(?![a-zA-Z][\w+.-]*:|/)([^"#?]+)\.ipynb((?:[#?][^"]*)?")')
+CONTENTS = "contents.html"
+
+
+def rewrite_links(body: str) -> str:
+    "Relative links to notebooks (`x.ipynb`, `../tutorials/y.ipynb#part`) point to their rendered pages (`.html`)."
+    return _NB_HREF.sub(lambda m: f"{m.group(1)}{m.group(2)}.html{m.group(3)}", body)
+
+
+def add_nav(body: str, contents_href: str) -> str:
+    "A link to the contents page at the top of the page body."
+    nav = (f'<nav class="opsd-nav" style="max-width:1100px;margin:8px auto 0;padding:0 16px;font-size:14px">'
+           f'<a href="{html.escape(contents_href)}">opsd: contents</a></nav>')
+    body, n = re.subn(r"(<body[^>]*>)", lambda m: m.group(1) + nav, body, count=1)
+    if n != 1:
+        raise ValueError("render_docs: no <body> tag in the exported page")
+    return body
+
+
 def render(nb_path: Path, out: Path, base: Path | None = None) -> Path:
     "Render one notebook to OUT/<path relative to base>.html; returns the HTML path."
     nb_path = Path(nb_path).resolve()
@@ -143,7 +165,8 @@ def render(nb_path: Path, out: Path, base: Path | None = None) -> Path:
         nb = prepare(nbformat.read(nb_path, as_version=4))
     body, _ = exporter(f"{mj}?config={MATHJAX_CONFIG}").from_notebook_node(
         nb, resources={"metadata": {"name": nb_path.stem, "path": str(nb_path.parent)}})
-    dest.write_text(body, encoding="utf-8")
+    contents = Path(os.path.relpath(out / CONTENTS, dest.parent)).as_posix()
+    dest.write_text(add_nav(rewrite_links(body), contents), encoding="utf-8")
     return dest
 
 
@@ -151,8 +174,8 @@ def write_contents(out: Path, pages: list[Path], name: str) -> Path:
     items = "\n".join(f'<li><a href="{html.escape(p.relative_to(out).as_posix())}">'
                       f'{html.escape(p.relative_to(out).with_suffix("").as_posix())}</a></li>' for p in sorted(pages))
     path = out / name
-    path.write_text(f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>opsd (offline docs)</title></head>\n'
-                    f'<body><h1>opsd: offline pages</h1>\n<ul>\n{items}\n</ul></body></html>\n', encoding="utf-8")
+    head = '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>opsd (offline docs)</title></head>\n'
+    path.write_text(f'{head}<body><h1>opsd: offline pages</h1>\n<ul>\n{items}\n</ul></body></html>\n', encoding="utf-8")
     return path
 
 
@@ -168,7 +191,8 @@ def main(argv=None) -> int:
     base = a.base
     if base is None:
         nbs_dir = (ROOT / "nbs").resolve()
-        base = nbs_dir if all(p.is_relative_to(nbs_dir) for p in nbs) else Path(os.path.commonpath([p.parent for p in nbs]))
+        inside = all(p.is_relative_to(nbs_dir) for p in nbs)
+        base = nbs_dir if inside else Path(os.path.commonpath([p.parent for p in nbs]))
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     copy_mathjax(out)
@@ -177,10 +201,8 @@ def main(argv=None) -> int:
         dest = render(p, out, base)
         pages.append(dest)
         print(dest)
-    if (out / "index.html") in pages:
-        if len(pages) > 1:
-            print(write_contents(out, pages, "contents.html"))
-    elif len(pages) > 1:
+    print(write_contents(out, pages, CONTENTS))  # every page links to it
+    if (out / "index.html") not in pages and len(pages) > 1:
         print(write_contents(out, pages, "index.html"))
     return 0
 
