@@ -1,4 +1,4 @@
-"Tests for opsd.padding: the flash-attention-2 emulation, the padding perturbation under sdpa and FA2 semantics, the report."
+"Tests for opsd.padding: the flash-attention-2 emulation, the padding perturbation under sdpa and FA2, the report."
 import json
 
 import pytest
@@ -7,8 +7,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input, _upad_input
 
 from opsd.collate import collate, completion_logits
-from opsd.padding import (ATTENTION_SEMANTICS, FA2_EMULATION, RELEASED_PADDING, attention_semantics, fa2_emulation_attention,
-                          format_padding_report, gap_perturbation, padding_perturbation, padding_report)
+from opsd.padding import (ATTENTION_SEMANTICS, FA2_EMULATION, RELEASED_PADDING, attention_semantics,
+                          fa2_emulation_attention, format_padding_report, gap_perturbation, padding_perturbation,
+                          padding_report)
 from opsd.rollout import SamplingConfig
 
 torch.set_num_threads(1)
@@ -50,7 +51,7 @@ def _varlen_reference(q, k, v, cu_q, cu_k, scale, groups):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_emulation_equals_transformers_fa2_path(seed):
-    "The emulation equals transformers' padded FA2 branch (_upad_input -> varlen -> _pad_input) with a reference kernel."
+    "The emulation equals transformers' padded FA2 branch (_upad_input -> varlen -> _pad_input), reference kernel."
     g = torch.Generator().manual_seed(seed)
     B, T, H, Hkv, D = 4, 11, 6, 2, 8
     q, k, v = (torch.randn(B, T, h, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv))
@@ -63,7 +64,8 @@ def test_emulation_equals_transformers_fa2_path(seed):
     qu, ku, vu, idx, (cq, ck), _ = _upad_input(q, k, v, mask, T, _unpad_input)
     ref = _pad_input(_varlen_reference(qu, ku, vu, cq, ck, D ** -0.5, H // Hkv), idx, B, T)
     mod = torch.nn.Module(); mod.num_key_value_groups, mod.is_causal = H // Hkv, True
-    emu, w = fa2_emulation_attention(mod, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scaling=D ** -0.5)
+    emu, w = fa2_emulation_attention(mod, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                     scaling=D ** -0.5)
     assert w is None and emu.shape == (B, T, H, D)
     assert (emu - ref).abs().max() < 1e-12
     assert emu[mask == 0].abs().max() == 0  # exactly the pad-query rows are zero ...
@@ -75,7 +77,8 @@ def test_emulation_in_a_model_zeros_exactly_pad_queries(model):
     ids = torch.tensor(rows([12, 12], 5))
     mask = torch.tensor([[1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
     seen = []
-    hooks = [l.self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone())) for l in model.model.layers]
+    hooks = [l.self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+             for l in model.model.layers]
     try:
         with torch.no_grad():
             z_sdpa = model(ids, attention_mask=mask).logits
@@ -116,13 +119,16 @@ def test_padding_perturbation_sdpa_and_fa2(model):
     out = padding_perturbation(model, 0, SP, TP, CP)
     assert out["attention"] == list(ATTENTION_SEMANTICS)
     n_valid = sum(len(c) for c in CP)
-    assert out["rows"]["pad_gap"] == [41 - len(p) for p in TP] and out["pad_gap"]["max"] == 40.0 and out["signal_kl"] > 0
+    assert out["rows"]["pad_gap"] == [41 - len(p) for p in TP]
+    assert out["pad_gap"]["max"] == 40.0 and out["signal_kl"] > 0
     for a in ATTENTION_SEMANTICS:
         s = out[a]
-        assert s["aligned"]["kl_max"] < 1e-9 and s["aligned"]["argmax_agree"] == 1.0 and s["aligned"]["positions"] == n_valid
+        assert s["aligned"]["kl_max"] < 1e-9 and s["aligned"]["argmax_agree"] == 1.0
+        assert s["aligned"]["positions"] == n_valid
         assert s["aligned_nopos"]["kl_max"] < 1e-6
         assert s["released"]["kl_mean"] > 1e-4
-        assert s["released_pos"]["kl_rest"] < 1e-9 < s["released_pos"]["kl_first_gap"]  # the pads are harmless past the first position
+        # the pads are harmless past the first position
+        assert s["released_pos"]["kl_rest"] < 1e-9 < s["released_pos"]["kl_first_gap"]
         assert out["rows"]["kl"][a]["released"][0] < 1e-9  # the row without a gap is unperturbed
     # rows with a gap and a non-empty completion: 2, 3, 4 (row 1 has an empty completion)
     assert out["sdpa"]["released"]["first_gap_rows"] == 3
@@ -130,12 +136,12 @@ def test_padding_perturbation_sdpa_and_fa2(model):
 
 
 def test_fa2_changes_only_the_first_position_of_gapped_rows(model):
-    "released + FA2 vs released + sdpa: the prompt gap is the only difference, so only the first completion position moves."
+    "released + FA2 vs released + sdpa: the gap is the only difference, so only the first completion position moves."
     out = padding_perturbation(model, 0, SP, TP, CP, variants=("released", "released_pos", "aligned"))
     sh = out["fa2_vs_sdpa"]
     assert sh["released"]["kl_rest"] == 0.0 and sh["released_pos"]["kl_rest"] == 0.0
     assert sh["released"]["kl_first_gap"] > 1e-3 and sh["released"]["first_gap_rows"] == 3
-    assert sh["aligned"]["kl_max"] == 0.0  # left pads precede every real token: FA2 and sdpa agree everywhere that counts
+    assert sh["aligned"]["kl_max"] == 0.0  # left pads precede every real token: FA2 and sdpa agree where it counts
     # the gap-free row's first position is a prompt token, not a pad: unchanged
     assert out["fa2"]["released"]["kl_rest"] == out["sdpa"]["released"]["kl_rest"]
     # directly on logits: only column 0 of the gapped rows differs
@@ -152,7 +158,7 @@ def test_fa2_changes_only_the_first_position_of_gapped_rows(model):
 
 
 def test_fa2_first_position_sees_no_context(model):
-    "Under FA2 the first completion position of a gapped row depends on nothing but the pad token: any prompt gives the same logits."
+    "Under FA2 the first completion position of a gapped row sees only the pad token: any prompt, the same logits."
     comp = CP[0]
     with torch.no_grad(), attention_semantics(model, "fa2"):
         zs = []
@@ -186,9 +192,10 @@ def test_padding_report_real_tokenizer():
     tok = qwen3_tokenizer()
     torch.manual_seed(0)
     m = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)).eval()
-    recs = [dict(problem=f"What is {a} + {b}?", solution=f"{a} + {b} = {a + b}." + " Again." * (3 * a), answer=str(a + b))
-            for a, b in [(1, 2), (9, 4), (5, 6), (2, 7), (3, 3)]]
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                     tie_word_embeddings=True)).eval()
+    recs = [dict(problem=f"What is {a} + {b}?", solution=f"{a} + {b} = {a + b}." + " Again." * (3 * a),
+                 answer=str(a + b)) for a, b in [(1, 2), (9, 4), (5, 6), (2, 7), (3, 3)]]
     rep = padding_report(m, tok, recs, n=3, seed=1, sampling=SamplingConfig(max_new_tokens=4), gaps=(0, 32))
     json.dumps(rep)
     assert rep["n"] == 3 and len(set(rep["record_idx"])) == 3 and rep["reference"] == RELEASED_PADDING
@@ -209,9 +216,11 @@ def test_emulation_matches_real_flash_attention_2():
     pytest.importorskip("flash_attn")
     m = tiny(seed=4).to("cuda", torch.bfloat16)
     ids = torch.tensor(rows([16, 16], 9), device="cuda")
-    mask = torch.tensor([[1] * 5 + [0] * 6 + [1] * 4 + [0], [0] * 3 + [1] * 13], device="cuda")  # released gap + trailing pad; left pads
+    # released gap + trailing pad; left pads
+    mask = torch.tensor([[1] * 5 + [0] * 6 + [1] * 4 + [0], [0] * 3 + [1] * 13], device="cuda")
     seen = []
-    hooks = [l.self_attn.o_proj.register_forward_pre_hook(lambda mod, a: seen.append(a[0].detach().clone())) for l in m.model.layers]
+    hooks = [l.self_attn.o_proj.register_forward_pre_hook(lambda mod, a: seen.append(a[0].detach().clone()))
+             for l in m.model.layers]
     try:
         with torch.no_grad():
             m.set_attn_implementation("flash_attention_2")
@@ -225,4 +234,57 @@ def test_emulation_matches_real_flash_attention_2():
     for a in real_attn:
         assert a[mask == 0].abs().max() == 0 and (a[mask == 1].abs().amax(-1) > 0).all()
     assert (z_real - z_emu).abs().max() < 0.05  # bf16 kernels differ by rounding only
-    assert (z_real[mask == 0] - z_emu[mask == 0]).abs().max() == 0  # pad rows: no attention at all, identical arithmetic
+    assert (z_real[mask == 0] - z_emu[mask == 0]).abs().max() == 0  # pad rows: no attention, identical arithmetic
+
+
+def test_padding_report_values_by_hand():
+    """What `opsd padding --json` prints, value by value, against a recomputation: prompt and completion lengths and
+    the pad gap from the records themselves, the signal KL(teacher || student) from unpadded rows, and the released
+    layout's perturbation KL(row alone || row in the batch) from the batch built here (teacher prompts right-padded
+    to the longest, then the completion, no position_ids), in float64. (tests/test_cli.py::test_padding_json only
+    finds two words in the output.) Break that made it fail: `prompt_completion_layout` passing position_ids in
+    released mode (released kl_mean 0.079 against the hand-built layout's 0.163)."""
+    from opsd.data import student_prompt_ids, teacher_prompt_ids
+    from opsd.rollout import HFRollout
+    from opsd.toy import TOY_PROMPT, make_problems, toy_tokenizer
+    tok = toy_tokenizer()
+    torch.manual_seed(0)
+    m = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.2,
+                                     tie_word_embeddings=True)).double().eval()
+    recs = make_problems(12, seed=0, split="test")
+    sampling = SamplingConfig(max_new_tokens=6, seed=3)
+    rep = json.loads(json.dumps(padding_report(m, tok, recs, n=4, seed=1, sampling=sampling, prompt_config=TOY_PROMPT,
+                                               gaps=(0, 8), attention=("sdpa",)), default=float))  # the CLI's --json
+    idx = rep["record_idx"]
+    assert rep["n"] == 4 and len(set(idx)) == 4 and all(0 <= i < 12 for i in idx)
+    sp = [student_prompt_ids(tok, recs[i]["problem"], TOY_PROMPT) for i in idx]
+    tp = [teacher_prompt_ids(tok, recs[i]["problem"], recs[i]["solution"], TOY_PROMPT) for i in idx]
+    comps = HFRollout(m, tok, progress=False).generate(sp, sampling).completion_ids
+    lens = lambda rows: dict(mean=sum(map(len, rows)) / 4, max=max(map(len, rows)), min=min(map(len, rows)))
+    for key, rows in (("teacher_prompt_len", tp), ("student_prompt_len", sp), ("completion_len", comps)):
+        for k, v in lens(rows).items(): assert rep[key][k] == pytest.approx(v), (key, k)
+    P, L = max(map(len, tp)), max(map(len, comps))
+    p = rep["perturbation"]
+    assert p["pad_gap"]["mean"] == pytest.approx(sum(P - len(t) for t in tp) / 4)
+    assert p["pad_gap"]["max"] == P - min(map(len, tp))
+    pad = tok.pad_token_id
+    ids = [t + [pad] * (P - len(t)) + c + [pad] * (L - len(c)) for t, c in zip(tp, comps)]
+    mask = [[1] * len(t) + [0] * (P - len(t)) + [1] * len(c) + [0] * (L - len(c)) for t, c in zip(tp, comps)]
+    kls, sig = [], []
+    with torch.no_grad():
+        zb = m(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
+        for j, (s, t, c) in enumerate(zip(sp, tp, comps)):
+            za = m(torch.tensor([t + c])).logits[0, len(t) - 1:len(t) + len(c) - 1].log_softmax(-1)
+            zs = m(torch.tensor([s + c])).logits[0, len(s) - 1:len(s) + len(c) - 1].log_softmax(-1)
+            zr = zb[j, P - 1:P + len(c) - 1].log_softmax(-1)
+            kls.append((za.exp() * (za - zr)).sum(-1)); sig.append((za.exp() * (za - zs)).sum(-1))
+    kl, sig = torch.cat(kls), torch.cat(sig)
+    rel = p["sdpa"]["released"]
+    assert rel["positions"] == len(kl) == sum(map(len, comps))
+    assert rel["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-6)
+    assert rel["kl_max"] == pytest.approx(kl.max().item(), rel=1e-6)
+    assert rel["kl_mean"] > 1e-4 and p["sdpa"]["aligned"]["kl_max"] < 1e-12
+    assert p["signal_kl"] == pytest.approx(sig.mean().item(), rel=1e-6)
+    assert rep["gap_sweep"][0]["gap"] == 0 and rep["gap_sweep"][0]["kl_max"] < 1e-12
+    assert rep["gap_sweep"][1]["kl_mean"] > 0

@@ -1,16 +1,15 @@
-"Tests of opsd.toy: problems and splits, the slip, the tokenizer, and a reduced build -> cache -> from_pretrained -> generate."
+"Tests of opsd.toy: problems, splits, the slip, the tokenizer, a reduced build -> cache -> from_pretrained -> generate."
 import json
 import random
-import time
 
 import pytest
 import torch
 
 from opsd.data import QWEN3_CHAT_TEMPLATE, last_boxed, student_prompt, teacher_prompt
 from opsd.data import student_prompt_ids
-from opsd.toy import (TOY_PROMPT, TOY_SPECIAL_TOKENS, ToyConfig, build_toy_base, load_toy_base, make_problems, measure_toy,
-                      sft_examples, slip_solution, solution_steps, split_of, toy_accuracy, toy_base_path, toy_build_info,
-                      toy_config, toy_model, toy_rollout, toy_tokenizer, torch_threads)
+from opsd.toy import (TOY_PROMPT, TOY_SPECIAL_TOKENS, ToyConfig, build_toy_base, load_toy_base, make_problems,
+                      measure_toy, sft_examples, slip_solution, solution_steps, split_of, toy_accuracy, toy_base_path,
+                      toy_build_info, toy_config, toy_model, toy_rollout, toy_tokenizer, torch_threads)
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest (and robust on a shared machine)
 
@@ -173,9 +172,11 @@ def test_build_cache_load_generate(tmp_path, tok):
     # force rebuilds; a different config is a different folder
     assert build_toy_base(cfg, cache_dir=tmp_path, force=True, progress=False) == path
     assert (path / "model.safetensors").stat().st_mtime_ns != mtime
-    copy = build_toy_base(toy_config("copy", **dict(SMALL, n_eval=4)), preset="copy", cache_dir=tmp_path, progress=False)
+    copy = build_toy_base(toy_config("copy", **dict(SMALL, n_eval=4)), preset="copy", cache_dir=tmp_path,
+                          progress=False)
     assert copy != path and copy.name.startswith("copy-")
-    assert {"student_acc", "teacher_acc", "teacher_top_prob", "student_top_prob"} <= set(toy_build_info(copy)["measure"])
+    measured = set(toy_build_info(copy)["measure"])
+    assert {"student_acc", "teacher_acc", "teacher_top_prob", "student_top_prob"} <= measured
 
 
 def test_load_missing(tmp_path):
@@ -189,11 +190,59 @@ def test_measure_and_grade(tok):
     wrong = tok("1+1=2\n\\boxed{-7}", add_special_tokens=False)["input_ids"]
     assert toy_accuracy(tok, [right, wrong], probs) == 0.5 and toy_accuracy(tok, [[], right], probs) == 0.0
     cfg = toy_config(**SMALL)
-    model = toy_model(cfg, tok).eval()
+    model = toy_model(cfg, tok).double().eval()  # float64: batched and one-row greedy decoding pick the same argmax
+    with torch.no_grad():  # a random init is near uniform and ignores the prompt: sharpen the outputs and the attention
+        model.get_input_embeddings().weight.mul_(8)
+        for n, p in model.named_parameters():
+            if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")): p.mul_(10)
     r = measure_toy(model, tok, cfg, n=6)
-    assert 0 <= r["student_acc"] <= 1 and 0 <= r["teacher_acc"] <= 1
-    assert 0 < r["teacher_top_prob"] <= 1 and 0 < r["student_top_prob"] <= 1
+    want = measure_by_hand(model, tok, cfg, n=6)
+    assert r.keys() == want.keys()
+    for k in want: assert r[k] == pytest.approx(want[k], abs=6e-5), k  # measure_toy rounds to 4 decimals
+    assert 0.1 < r["student_top_prob"] < 0.9 and abs(want["student_top_prob"] - want["teacher_top_prob"]) > 5e-4
     assert r == measure_toy(model, tok, cfg, n=6)  # fixed held-out set and seeded sampling
+
+
+def measure_by_hand(model, tok, cfg, n, seed=1234, temperature=1.0):
+    """`measure_toy` recomputed another way: greedy decoding of each prompt alone with transformers' generate, answers
+    read by a regex, top probabilities from one unpadded forward per row. (The sampled rows come from `toy_rollout`.)
+    Break that made the comparison fail: `measure_toy` scoring student_top_prob on the teacher prompts."""
+    import re
+    from opsd.data import teacher_prompt_ids
+    probs = make_problems(n, seed=seed, split="test", **cfg.problem_kw())
+    sp = [student_prompt_ids(tok, p["problem"], TOY_PROMPT) for p in probs]
+    tp = [teacher_prompt_ids(tok, p["problem"], p["solution"], TOY_PROMPT) for p in probs]
+    eos = tok.eos_token_id
+
+    def greedy(prompts):
+        out = []
+        for p in prompts:
+            with torch.no_grad():
+                seq = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos,
+                                     pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+            out.append(seq[:seq.index(eos) + 1] if eos in seq else seq)
+        return out
+
+    def acc(comps):  # toy answers are plain integers: the last \boxed{...} must spell it
+        boxes = [re.findall(r"\\boxed\{([^{}]*)\}", tok.decode(c, skip_special_tokens=True)) for c in comps]
+        return sum(bool(b) and b[-1].strip() == p["answer"] for b, p in zip(boxes, probs)) / n
+
+    def top_prob(prompts, comps):
+        tot, cnt = 0.0, 0
+        for p, c in zip(prompts, comps):
+            if not c: continue
+            with torch.no_grad():
+                z = model(torch.tensor([p + c])).logits[0, len(p) - 1:len(p) + len(c) - 1]
+            tot += z.softmax(-1).max(-1).values.sum().item(); cnt += len(c)
+        return tot / max(cnt, 1)
+
+    sample = lambda prompts, s: toy_rollout(model, tok, prompts, temperature=temperature, seed=s,
+                                            max_new_tokens=cfg.max_new_tokens)
+    s_samp = sample(sp, seed)
+    return dict(student_acc=acc(greedy(sp)), teacher_acc=acc(greedy(tp)), student_sampled_acc=acc(s_samp),
+                teacher_sampled_acc=acc(sample(tp, seed + 1)), teacher_top_prob=top_prob(tp, s_samp),
+                student_top_prob=top_prob(sp, s_samp), mean_completion_len=sum(map(len, s_samp)) / n)
 
 
 def test_sft_is_bit_identical_under_any_thread_setting(tmp_path):
