@@ -1,5 +1,5 @@
 "Training: exact resume after a kill, SIGINT checkpointing, 2 processes == 1 process, gradient accumulation."
-import json, os, signal, subprocess, sys, time
+import json, os, signal, subprocess, time
 from pathlib import Path
 
 import pytest
@@ -10,8 +10,8 @@ from opsd.runs import read_metrics, latest_checkpoint
 
 from conftest import venv_bin
 
-COLS = ["step", "loss", "kl/true", "entry/loss", "entry/argmax_clipped_frac", "entry/clipped_teacher_mass", "entry/grad_cos", "update_cos", "grad_norm", "lr",
-        "completion_len", "tokens"]
+COLS = ["step", "loss", "kl/true", "entry/loss", "entry/argmax_clipped_frac", "entry/clipped_teacher_mass",
+        "entry/grad_cos", "update_cos", "grad_norm", "lr", "completion_len", "tokens"]
 
 
 DATA = {}
@@ -23,8 +23,9 @@ def _data(toy_data_file):
 
 
 def train_cmd(ckpt, run_dir, steps=6, extra=()):
-    return [venv_bin("opsd"), "train", "--preset", "toy", "--model", str(ckpt), "--data", DATA["path"], "--run-dir", str(run_dir), "--steps", str(steps),
-            "--save-every", "2", "--batch-size", "8", "--micro-batch-size", "4", "--quiet", "--padding", "aligned",
+    return [venv_bin("opsd"), "train", "--preset", "toy", "--model", str(ckpt), "--data", DATA["path"],
+            "--run-dir", str(run_dir), "--steps", str(steps), "--save-every", "2", "--batch-size", "8",
+            "--micro-batch-size", "4", "--quiet", "--padding", "aligned",
             "--set", "max_completion_length=12", "log_positions=0", *extra]
 
 
@@ -77,8 +78,9 @@ def test_sigint_saves_a_checkpoint(tiny_ckpt, tmp_path):
 
 def test_two_processes_equal_one(tiny_ckpt, reference_run, tmp_path):
     run = tmp_path / "run2p"
-    cmd = [venv_bin("accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "-m", "opsd.cli"] + train_cmd(tiny_ckpt, run)[1:] + ["replicate_rollout=true"]
+    cmd = [venv_bin("accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "opsd.cli"]
+    cmd += train_cmd(tiny_ckpt, run)[1:] + ["replicate_rollout=true"]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     # the same problems and completions, split over two ranks: equal within float tolerance (with aligned padding;
     # under the released layout the pad gap, and so the teacher, depends on which rows share a micro-batch)
@@ -91,8 +93,9 @@ def test_gradient_accumulation_is_exact(tiny_ckpt, toy_problems, tmp_path):
     for mb in (8, 2):
         # float64 weights and loss: the two accumulation orders then agree to ~1e-15, so a tight tolerance only fails
         # when the normalisation is wrong (in float32 the summation order alone moved the loss by ~1e-7 relative)
-        cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / f"mb{mb}"), steps=1, batch_size=8, micro_batch_size=mb,
-                             max_completion_length=12, padding="aligned", log_positions=0, dtype="float64")
+        cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / f"mb{mb}"), steps=1, batch_size=8,
+                             micro_batch_size=mb, max_completion_length=12, padding="aligned", log_positions=0,
+                             dtype="float64")
         tr = OPSDTrainer(cfg, toy_problems, progress=False)
         tr.optimizer.step = lambda *a, **k: None  # keep the weights; read the gradient
         zg = tr.optimizer.zero_grad; tr.optimizer.zero_grad = lambda *a, **k: None
@@ -108,8 +111,8 @@ def test_gradient_accumulation_is_exact(tiny_ckpt, toy_problems, tmp_path):
 @pytest.mark.parametrize("teacher", ["fixed", "ema", "live"])
 @pytest.mark.parametrize("clip", ["entry", "scaled"])
 def test_teacher_modes_and_clips_run(tiny_ckpt, toy_problems, tmp_path, teacher, clip):
-    cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "r"), steps=2, batch_size=4, micro_batch_size=2, save_every=1,
-                         max_completion_length=8, teacher=teacher, clip=clip, log_positions=8)
+    cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "r"), steps=2, batch_size=4, micro_batch_size=2,
+                         save_every=1, max_completion_length=8, teacher=teacher, clip=clip, log_positions=8)
     OPSDTrainer(cfg, toy_problems, progress=False).fit()
     m = read_metrics(cfg.run_dir)
     assert m["step"].to_list() == [1, 2] and m["kl/true"].is_finite().all()
@@ -127,20 +130,21 @@ def test_bad_config_is_a_clear_error(tmp_path):
 
 def test_set_bad_value_is_a_clear_error(tiny_ckpt):
     "`opsd train --set lr=abc` names the field instead of failing in the optimizer."
-    r = subprocess.run([venv_bin("opsd"), "train", "--model", str(tiny_ckpt), "--data", DATA["path"], "--set", "lr=abc"],
-                       capture_output=True, text=True)
+    cmd = [venv_bin("opsd"), "train", "--model", str(tiny_ckpt), "--data", DATA["path"], "--set", "lr=abc"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode != 0 and "lr='abc'" in (r.stderr + r.stdout) and "Traceback" not in r.stderr
 
 
 def test_shared_rollout_gets_each_trainers_weights(tiny_ckpt, toy_problems, tmp_path):
     """One engine shared by two trainers holds, after each construction, that trainer's merged student.
-    Break checked: without the sync at construction, the engine still holds trainer A's trained student and this fails."""
+    Break checked: without the sync at construction the engine still holds trainer A's trained student: this fails."""
     from opsd.rollout import merged_state_dict
     kw = dict(model=str(tiny_ckpt), steps=1, batch_size=4, micro_batch_size=4, max_completion_length=6, log_positions=0,
               padding="aligned")
     a = OPSDTrainer(OPSDConfig.toy(run_dir=str(tmp_path / "a"), lr=1e-2, **kw), toy_problems, progress=False)
     a.step(1)                                               # A's student moves away from the base
-    b = OPSDTrainer(OPSDConfig.toy(run_dir=str(tmp_path / "b"), seed=1, **kw), toy_problems, progress=False, rollout=a.rollout)
+    b = OPSDTrainer(OPSDConfig.toy(run_dir=str(tmp_path / "b"), seed=1, **kw), toy_problems, progress=False,
+                    rollout=a.rollout)
     assert b.rollout is a.rollout
     held = {k: v.detach().clone() for k, v in b.rollout.gen_model.state_dict().items()}
     want, a_sd = merged_state_dict(b.unwrapped), merged_state_dict(a.unwrapped)
