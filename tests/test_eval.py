@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opsd.data import last_boxed
-from opsd.eval import (answer_correct, avg_at_k, grade, majority_vote, normalize_answer, pass_at_k, seed_summary, seed_table,
-                       summarize_eval)
+from opsd.eval import (answer_correct, avg_at_k, grade, majority_vote, normalize_answer, pass_at_k, seed_summary,
+                       seed_table, summarize_eval)
 
 
 # ---------------------------------------------------------------- extraction
@@ -165,7 +165,8 @@ def test_seed_summary_numbers():
     assert s["se"] == pytest.approx(math.sqrt(5 / 3) / 2)
     assert s["n"] == 4
     # the 4-seed cosine result in the spec: sd 1.33 -> se 0.665
-    assert seed_summary([55.21 + d for d in (-1.33, 1.33, -1.33, 1.33)])["se"] == pytest.approx(1.33 * 2 / math.sqrt(3) / 2)
+    spread = [55.21 + d for d in (-1.33, 1.33, -1.33, 1.33)]
+    assert seed_summary(spread)["se"] == pytest.approx(1.33 * 2 / math.sqrt(3) / 2)
     one = seed_summary([7.0])
     assert one["mean"] == 7.0 and one["n"] == 1 and math.isnan(one["sd"]) and math.isnan(one["se"])
     with pytest.raises(ValueError, match="no values"):
@@ -234,8 +235,9 @@ def tiny():
 
     tok = qwen3_tokenizer()
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                      tie_word_embeddings=True,
                       initializer_range=0.5)  # a wide init: varied (non-degenerate) completions
     return Qwen3ForCausalLM(cfg).eval(), tok
 
@@ -256,7 +258,8 @@ def test_evaluate_rows_and_grading(tiny):
 
     model, tok = tiny
     # the greedy completions, decoded, are by construction the right "answers" under extract_fn=RAW
-    ro = HFRollout(model, tok, progress=False).generate([student_prompt_ids(tok, p["problem"]) for p in PROBLEMS], _greedy())
+    prompts = [student_prompt_ids(tok, p["problem"]) for p in PROBLEMS]
+    ro = HFRollout(model, tok, progress=False).generate(prompts, _greedy())
     texts = [tok.decode(c, skip_special_tokens=True).strip() for c in ro.completion_ids]
     probs = [dict(p, answer=t, id=f"q{i}") for i, (p, t) in enumerate(zip(PROBLEMS, texts))]
     probs[2]["answer"] = "not what it says"
@@ -345,7 +348,8 @@ def test_backends_on_cpu(tiny):
     if torch.cuda.is_available():
         pytest.skip("CPU behaviour")
     a = evaluate(model, tok, PROBLEMS, k=1, sampling=_greedy(), extract_fn=RAW, backend="auto")
-    b = evaluate(model, tok, PROBLEMS, k=1, sampling=_greedy(), extract_fn=RAW, backend=HFRollout(model, tok, progress=False))
+    hf = HFRollout(model, tok, progress=False)
+    b = evaluate(model, tok, PROBLEMS, k=1, sampling=_greedy(), extract_fn=RAW, backend=hf)
     assert a.equals(b)
     c = evaluate(model, tok, PROBLEMS, k=1, sampling=_greedy(20), extract_fn=RAW, max_new_tokens=3)
     assert max(c["completion_len"].to_list()) <= 3  # max_new_tokens replaces the sampling budget
