@@ -1,12 +1,27 @@
-"Tests for opsd.collate: the layout builder, label masks, pad == eos, errors, completion-aligned logits, pad-gap statistics."
+"Tests for opsd.collate: layout builder, label masks, pad == eos, errors, completion-aligned logits, pad-gap stats."
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from opsd.collate import (IGNORE_INDEX, OPSDBatch, as_ids, batch_logits, collate, completion_logits, left_pad, pad_eos_ids,
-                          pad_gap_stats, pad_gaps, pad_rows, padded_batch, position_ids_from_mask, prompt_completion_layout,
-                          trim_at_eos)
+from opsd.collate import (
+    IGNORE_INDEX,
+    OPSDBatch,
+    as_ids,
+    batch_logits,
+    collate,
+    completion_logits,
+    left_pad,
+    pad_eos_ids,
+    pad_gap_stats,
+    pad_gaps,
+    pad_rows,
+    padded_batch,
+    position_ids_from_mask,
+    prompt_completion_layout,
+    trim_at_eos,
+)
 
 torch.set_num_threads(2)
 V = 301  # odd vocabulary
@@ -15,9 +30,18 @@ V = 301  # odd vocabulary
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
-                      initializer_range=0.1)
+    cfg = Qwen3Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
     return Qwen3ForCausalLM(cfg).eval()
 
 
@@ -44,10 +68,10 @@ def test_layout(mode):
         kw = b.inputs(who)
         ids, mask = kw["input_ids"], kw["attention_mask"]
         for i, (p, c) in enumerate(zip(prompts, CP)):
-            tail = ids[i, ids.shape[1] - L:]
-            assert tail[:len(c)].tolist() == c and (tail[len(c):] == 0).all()
+            tail = ids[i, ids.shape[1] - L :]
+            assert tail[: len(c)].tolist() == c and (tail[len(c) :] == 0).all()
             assert mask[i].sum() == len(p) + len(c)
-            assert mask[i, ids.shape[1] - L:].tolist() == [1] * len(c) + [0] * (L - len(c))
+            assert mask[i, ids.shape[1] - L :].tolist() == [1] * len(c) + [0] * (L - len(c))
             P = ids.shape[1] - L
             real = ids[i, :P][mask[i, :P].bool()].tolist()
             assert real == p
@@ -73,10 +97,13 @@ def test_logits_against_unpadded(model, mode):
             z = batch_logits(model, b, who)
             assert z.shape == (5, b.completion_len, V)
             for i, (p, c) in enumerate(zip(prompts, CP)):
-                if not c: continue
-                err = (z[i, :len(c)] - alone(model, p, c)).abs().max().item()
-                if mode == "aligned" or gaps[i] == 0: assert err < 1e-5, (who, i, err)
-                else: assert err > 1e-3, (who, i, err)  # the gap moves the logits
+                if not c:
+                    continue
+                err = (z[i, : len(c)] - alone(model, p, c)).abs().max().item()
+                if mode == "aligned" or gaps[i] == 0:
+                    assert err < 1e-5, (who, i, err)
+                else:
+                    assert err > 1e-3, (who, i, err)  # the gap moves the logits
 
 
 def test_aligned_without_position_ids_is_only_a_shift(model):
@@ -85,7 +112,8 @@ def test_aligned_without_position_ids_is_only_a_shift(model):
     with torch.no_grad():
         z = completion_logits(model, b.teacher_input_ids, b.teacher_attention_mask, None, b.completion_len)
         for i, (p, c) in enumerate(zip(TP, CP)):
-            if c: assert (z[i, :len(c)] - alone(model, p, c)).abs().max() < 1e-4
+            if c:
+                assert (z[i, : len(c)] - alone(model, p, c)).abs().max() < 1e-4
 
 
 def test_completion_logits_keep_equals_full(model):
@@ -94,7 +122,7 @@ def test_completion_logits_keep_equals_full(model):
         full = model(**b.inputs("teacher"), use_cache=False).logits
         kept = batch_logits(model, b, "teacher")
     L = b.completion_len
-    torch.testing.assert_close(kept, full[:, -L - 1:-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(kept, full[:, -L - 1 : -1], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="completion_len"):
         completion_logits(model, b.teacher_input_ids, completion_len=b.teacher_input_ids.shape[1])
 
@@ -106,7 +134,9 @@ def test_gap_without_mask_is_not_packed(model):
     pos = torch.arange(x.shape[1])[None] + 10 * (torch.arange(x.shape[1]) >= len(p))
     with torch.no_grad():
         ours = completion_logits(model, x, position_ids=pos, completion_len=len(c))
-        masked = model(x, attention_mask=torch.ones_like(x), position_ids=pos, use_cache=False).logits[:, -len(c) - 1:-1]
+        masked = model(x, attention_mask=torch.ones_like(x), position_ids=pos, use_cache=False).logits[
+            :, -len(c) - 1 : -1
+        ]
     torch.testing.assert_close(ours, masked)
 
 
@@ -184,6 +214,7 @@ def test_helpers():
 
     class Tok:
         pad_token_id, eos_token_id = None, 7
+
     assert pad_eos_ids(Tok()) == (7, 7)
 
 
@@ -201,12 +232,15 @@ def test_layout_property(shape, mode, pad_is_eos):
     cp = [[9] * (c - 1) + [eos] + [eos] * 2 if c else [] for _, _, c in shape]  # eos then eos padding
     b = collate(sp, tp, cp, pad_id=pad, eos_id=eos, mode=mode)
     L = b.completion_len
-    want = [c[:c.index(eos) + 1] if c else [] for c in cp]
+    want = [c[: c.index(eos) + 1] if c else [] for c in cp]
     assert L == max(map(len, want))
     for i, w in enumerate(want):
-        assert b.labels[i, :len(w)].tolist() == w and (b.labels[i, len(w):] == IGNORE_INDEX).all()
-        for ids, mask, p in ((b.student_input_ids, b.student_attention_mask, sp[i]), (b.teacher_input_ids, b.teacher_attention_mask, tp[i])):
-            assert ids[i, ids.shape[1] - L:][:len(w)].tolist() == w
+        assert b.labels[i, : len(w)].tolist() == w and (b.labels[i, len(w) :] == IGNORE_INDEX).all()
+        for ids, mask, p in (
+            (b.student_input_ids, b.student_attention_mask, sp[i]),
+            (b.teacher_input_ids, b.teacher_attention_mask, tp[i]),
+        ):
+            assert ids[i, ids.shape[1] - L :][: len(w)].tolist() == w
             assert int(mask[i].sum()) == len(p) + len(w)
             assert ids[i][mask[i].bool()].tolist() == p + w
         if mode == "aligned":
@@ -220,7 +254,11 @@ def test_pad_rows_and_left_pad():
     ids, mask = pad_rows([torch.tensor([1, 2]), (3,)], IGNORE_INDEX, side="right", width=4)
     assert ids.tolist() == [[1, 2, -100, -100], [3, -100, -100, -100]] and mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
     assert left_pad([[1, 2, 3]], 0, multiple=4)[0].shape == (1, 4)
-    for bad, msg in (((([1],), 0), dict(side="up")), "side"), (((([1],), 0), dict(multiple=0)), "multiple"), ((([], 0), {}), "no rows"):
+    for bad, msg in (
+        (((([1],), 0), dict(side="up")), "side"),
+        (((([1],), 0), dict(multiple=0)), "multiple"),
+        ((([], 0), {}), "no rows"),
+    ):
         with pytest.raises(ValueError, match=msg):
             pad_rows(*bad[0], **bad[1])
 
@@ -234,7 +272,7 @@ def test_padded_batch_scores_rows_as_alone(model):
         z = model(**kw).logits
         for i, s in enumerate(seqs):
             zi = model(torch.tensor([s])).logits[0]
-            assert (z[i, -len(s):] - zi).abs().max() < 1e-5
+            assert (z[i, -len(s) :] - zi).abs().max() < 1e-5
     assert padded_batch(seqs, 0, positions=False)["position_ids"] is None
     ids, mask = pad_rows(seqs, 0, side="right")
     assert padded_batch(seqs, 0, side="right")["input_ids"].equal(ids)
@@ -249,7 +287,9 @@ def test_prompt_completion_layout_is_collate(mode):
         kw = b.inputs(who)
         assert ids.equal(kw["input_ids"]) and mask.equal(kw["attention_mask"]) and g.equal(gap)
         assert (pos is None and kw["position_ids"] is None) if mode == "released" else pos.equal(kw["position_ids"])
-    ids, mask, pos, g = prompt_completion_layout([[4, 5]], [[6]], 0, mode, completion_len=3)  # a fixed completion budget
+    ids, mask, pos, g = prompt_completion_layout(
+        [[4, 5]], [[6]], 0, mode, completion_len=3
+    )  # a fixed completion budget
     assert ids.tolist() == [[4, 5, 6, 0, 0]] and mask.tolist() == [[1, 1, 1, 0, 0]]
     with pytest.raises(ValueError, match="counts differ"):
         prompt_completion_layout([[1]], [[2], [3]], 0, mode)

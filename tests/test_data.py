@@ -1,13 +1,27 @@
 "Tests of opsd.data: the Qwen3 tokenizer (real ids), the chat template, the prompts, and every bad-input error."
+
 import json
 import warnings
 
 import polars as pl
 import pytest
 
-from opsd.data import (QWEN3_CHAT_TEMPLATE, QWEN3_VOCAB_SIZE, PromptConfig, Problems, build_prompts, last_boxed,
-                       load_problems, prompt_ids, qwen3_tokenizer, student_prompt, student_prompt_ids, teacher_prompt,
-                       teacher_prompt_ids, user_cache_dir)
+from opsd.data import (
+    QWEN3_CHAT_TEMPLATE,
+    QWEN3_VOCAB_SIZE,
+    PromptConfig,
+    Problems,
+    build_prompts,
+    last_boxed,
+    load_problems,
+    prompt_ids,
+    qwen3_tokenizer,
+    student_prompt,
+    student_prompt_ids,
+    teacher_prompt,
+    teacher_prompt_ids,
+    user_cache_dir,
+)
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +36,18 @@ def tok(tmp_path_factory):
 # ---------------------------------------------------------------- tokenizer
 def test_qwen3_known_ids(tok):
     assert tok.encode("Hello, world!", add_special_tokens=False) == [9707, 11, 1879, 0]
-    ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
-                                     "<tool_call>", "<|fim_prefix|>", "<think>", "</think>"])
+    ids = tok.convert_tokens_to_ids(
+        [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|object_ref_start|>",
+            "<tool_call>",
+            "<|fim_prefix|>",
+            "<think>",
+            "</think>",
+        ]
+    )
     assert ids == [151643, 151644, 151645, 151646, 151657, 151659, 151667, 151668]
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 151645
     assert tok.pad_token == "<|endoftext|>" and tok.pad_token_id == 151643
@@ -35,9 +59,19 @@ def test_qwen3_known_ids(tok):
     assert tok.encode("assistant", add_special_tokens=False) == [77091]
 
 
-@pytest.mark.parametrize("text", ["", "plain ascii", "  leading and trailing spaces  ", "tabs\tand\nnewlines\n\n",
-                                  "Ünïcödé 中文 日本語 🙂", r"\boxed{\frac{1}{2}} $x^2$",
-                                  "<|im_start|>user\nhi<|im_end|>\n<think>\n\n</think>\n\n", "1234567890 3.14159"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "plain ascii",
+        "  leading and trailing spaces  ",
+        "tabs\tand\nnewlines\n\n",
+        "Ünïcödé 中文 日本語 🙂",
+        r"\boxed{\frac{1}{2}} $x^2$",
+        "<|im_start|>user\nhi<|im_end|>\n<think>\n\n</think>\n\n",
+        "1234567890 3.14159",
+    ],
+)
 def test_qwen3_round_trip(tok, text):
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
@@ -76,7 +110,9 @@ def test_template_thinking(tok):
     off = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     assert on == on2 == "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
     assert off == on + "<think>\n\n</think>\n\n"
-    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, enable_thinking=False, return_dict=False)
+    ids = tok.apply_chat_template(
+        msgs, tokenize=True, add_generation_prompt=True, enable_thinking=False, return_dict=False
+    )
     assert ids == [151644, 872, 198, 48, 151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271]
 
 
@@ -90,31 +126,43 @@ def test_template_multi_turn(tok):
 # ---------------------------------------------------------------- prompts
 def test_released_prompts(tok):
     s = student_prompt(tok, "What is 2+2?")
-    assert s == ("<|im_start|>user\nProblem: What is 2+2?\n\nPlease reason step by step, and put your final answer "
-                 "within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert s == (
+        "<|im_start|>user\nProblem: What is 2+2?\n\nPlease reason step by step, and put your final answer "
+        "within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     t = teacher_prompt(tok, "What is 2+2?", "2+2=4. \\boxed{4}")
-    assert t.startswith("<|im_start|>user\nProblem: What is 2+2?\n\nHere is a reference solution to this problem:\n"
-                        "=== Reference Solution Begin ===\n2+2=4. \\boxed{4}\n=== Reference Solution End ===\n\n\n"
-                        "After reading the reference solution above")
-    assert t.endswith("reconsider if something doesn't work out:\n\nPlease reason step by step, and put your final "
-                      "answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+    assert t.startswith(
+        "<|im_start|>user\nProblem: What is 2+2?\n\nHere is a reference solution to this problem:\n"
+        "=== Reference Solution Begin ===\n2+2=4. \\boxed{4}\n=== Reference Solution End ===\n\n\n"
+        "After reading the reference solution above"
+    )
+    assert t.endswith(
+        "reconsider if something doesn't work out:\n\nPlease reason step by step, and put your final "
+        "answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert "<think>" not in t
 
 
 def test_prompt_knobs(tok):
-    cfg = PromptConfig(student_thinking=True, teacher_thinking=False, instruction="Box it.", begin="<<", end=">>",
-                       guard="Own words.")
+    cfg = PromptConfig(
+        student_thinking=True, teacher_thinking=False, instruction="Box it.", begin="<<", end=">>", guard="Own words."
+    )
     assert student_prompt(tok, "P", cfg).endswith("Box it.<|im_end|>\n<|im_start|>assistant\n")
     t = teacher_prompt(tok, "P", "S", cfg)
     assert "<<\nS\n>>\nOwn words.\nBox it." in t and t.endswith("<think>\n\n</think>\n\n")
     # mismatch knob: the student without its chat template, the teacher with it
     mm = PromptConfig(student_uses_chat_template=False)
-    assert student_prompt(tok, "P", mm) == "Problem: P\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+    assert (
+        student_prompt(tok, "P", mm)
+        == "Problem: P\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
     assert teacher_prompt(tok, "P", "S", mm).startswith("<|im_start|>user\n")
     assert teacher_prompt(tok, "P", "S", PromptConfig(teacher_uses_chat_template=False)).startswith("Problem: P")
     early = PromptConfig.early_release()
     assert student_prompt(tok, "P", early).endswith("<|im_start|>assistant\n")
-    assert teacher_prompt(tok, "P", "S", early).startswith("<|im_start|>user\nP\n\nHere is a reference solution to this problem:\nS\n")
+    assert teacher_prompt(tok, "P", "S", early).startswith(
+        "<|im_start|>user\nP\n\nHere is a reference solution to this problem:\nS\n"
+    )
 
 
 def test_prompt_errors(tok):
@@ -125,6 +173,7 @@ def test_prompt_errors(tok):
 
     class NoTemplate:
         chat_template = None
+
     with pytest.raises(ValueError, match="no chat template"):
         student_prompt(NoTemplate(), "P")
 
@@ -140,7 +189,10 @@ def test_prompt_ids_no_double_specials(tok):
 
 
 # ---------------------------------------------------------------- records
-GOOD = [dict(problem="1+1?", solution="1+1=2 \\boxed{2}", answer="2"), dict(problem="2*3?", solution="\\boxed{6}", answer=6)]
+GOOD = [
+    dict(problem="1+1?", solution="1+1=2 \\boxed{2}", answer="2"),
+    dict(problem="2*3?", solution="\\boxed{6}", answer=6),
+]
 
 
 def _jsonl(path, rows):
@@ -149,8 +201,10 @@ def _jsonl(path, rows):
 
 
 def test_load_sources(tmp_path):
-    want = [dict(problem="1+1?", solution="1+1=2 \\boxed{2}", answer="2", id="0"),
-            dict(problem="2*3?", solution="\\boxed{6}", answer="6", id="1")]
+    want = [
+        dict(problem="1+1?", solution="1+1=2 \\boxed{2}", answer="2", id="0"),
+        dict(problem="2*3?", solution="\\boxed{6}", answer="6", id="1"),
+    ]
     assert load_problems(_jsonl(tmp_path / "a.jsonl", GOOD)) == want
     assert load_problems(str(tmp_path / "a.jsonl")) == want
     (tmp_path / "a.json").write_text(json.dumps(GOOD))
@@ -168,23 +222,28 @@ def test_load_sources(tmp_path):
 def test_load_field_names_and_ids():
     rows = [dict(question="Q", sol="S \\boxed{7}", uid=11), dict(question="R", sol="T \\boxed{\\frac{1}{2}}", uid=12)]
     ps = load_problems(rows, problem="question", solution="sol", answer=None, id="uid")
-    assert ps == [dict(problem="Q", solution="S \\boxed{7}", answer="7", id="11"),
-                  dict(problem="R", solution="T \\boxed{\\frac{1}{2}}", answer="\\frac{1}{2}", id="12")]
+    assert ps == [
+        dict(problem="Q", solution="S \\boxed{7}", answer="7", id="11"),
+        dict(problem="R", solution="T \\boxed{\\frac{1}{2}}", answer="\\frac{1}{2}", id="12"),
+    ]
 
 
-@pytest.mark.parametrize("row,msg", [
-    (dict(solution="s", answer="1"), "row 0: field 'problem' is missing (row has: solution, answer)"),
-    (dict(problem="p", answer="1"), "row 0: field 'solution' is missing"),
-    (dict(problem="p", solution="s"), "row 0: field 'answer' is missing"),
-    (dict(problem="   ", solution="s", answer="1"), "row 0: field 'problem' is empty"),
-    (dict(problem="p", solution="", answer="1"), "row 0: field 'solution' is empty"),
-    (dict(problem="p", solution="s", answer=""), "row 0: field 'answer' is empty"),
-    (dict(problem=3, solution="s", answer="1"), "row 0: field 'problem' must be a string, got int"),
-    (dict(problem="p", solution=None, answer="1"), "row 0: field 'solution' must be a string, got NoneType"),
-    (dict(problem="p", solution="s", answer=[1]), "row 0: field 'answer' must be a string, got list"),
-    (dict(problem="p", solution="s", answer=False), "row 0: field 'answer' must be a string, got bool"),
-    ("just a string", "row 0: expected an object with fields, got str"),
-])
+@pytest.mark.parametrize(
+    "row,msg",
+    [
+        (dict(solution="s", answer="1"), "row 0: field 'problem' is missing (row has: solution, answer)"),
+        (dict(problem="p", answer="1"), "row 0: field 'solution' is missing"),
+        (dict(problem="p", solution="s"), "row 0: field 'answer' is missing"),
+        (dict(problem="   ", solution="s", answer="1"), "row 0: field 'problem' is empty"),
+        (dict(problem="p", solution="", answer="1"), "row 0: field 'solution' is empty"),
+        (dict(problem="p", solution="s", answer=""), "row 0: field 'answer' is empty"),
+        (dict(problem=3, solution="s", answer="1"), "row 0: field 'problem' must be a string, got int"),
+        (dict(problem="p", solution=None, answer="1"), "row 0: field 'solution' must be a string, got NoneType"),
+        (dict(problem="p", solution="s", answer=[1]), "row 0: field 'answer' must be a string, got list"),
+        (dict(problem="p", solution="s", answer=False), "row 0: field 'answer' must be a string, got bool"),
+        ("just a string", "row 0: expected an object with fields, got str"),
+    ],
+)
 def test_bad_rows_list(row, msg):
     with pytest.raises(ValueError) as e:
         load_problems([row])
@@ -204,7 +263,9 @@ def test_bad_rows_jsonl_name_file_and_line(tmp_path):
 
 
 def test_bad_parquet_row_names_file_and_row(tmp_path):
-    pl.DataFrame(dict(problem=["a", "b", None], solution=["s", "s", "s"], answer=["1", "2", "3"])).write_parquet(tmp_path / "x.parquet")
+    pl.DataFrame(dict(problem=["a", "b", None], solution=["s", "s", "s"], answer=["1", "2", "3"])).write_parquet(
+        tmp_path / "x.parquet"
+    )
     with pytest.raises(ValueError, match=r"x\.parquet: row 2: field 'problem' must be a string, got NoneType"):
         load_problems(tmp_path / "x.parquet")
 
@@ -234,14 +295,26 @@ def test_bad_sources(tmp_path):
 
 
 def test_skip_invalid_counts_everything(tmp_path):
-    rows = [GOOD[0], '{"bad json', dict(problem="", solution="s", answer="1"), dict(solution="s", answer="1"),
-            dict(problem=1, solution="s", answer="1"), GOOD[1], dict(problem="p", solution="s", answer="1", id="0")]
+    rows = [
+        GOOD[0],
+        '{"bad json',
+        dict(problem="", solution="s", answer="1"),
+        dict(solution="s", answer="1"),
+        dict(problem=1, solution="s", answer="1"),
+        GOOD[1],
+        dict(problem="p", solution="s", answer="1", id="0"),
+    ]
     p = _jsonl(tmp_path / "mixed.jsonl", rows)
     with pytest.warns(UserWarning, match="skipped 5 invalid rows"):
         ps = load_problems(p, skip_invalid=True)
     assert [r["problem"] for r in ps] == ["1+1?", "2*3?"]
-    assert ps.skipped == {"invalid JSON": 1, "empty problem": 1, "missing problem": 1, "wrong type problem": 1,
-                          "duplicate id": 1}
+    assert ps.skipped == {
+        "invalid JSON": 1,
+        "empty problem": 1,
+        "missing problem": 1,
+        "wrong type problem": 1,
+        "duplicate id": 1,
+    }
     assert ps.n_skipped == 5 and len(ps.errors) == 5 and all("mixed.jsonl: line" in e for e in ps.errors)
     with pytest.raises(ValueError, match="5 rows skipped"):
         load_problems(_jsonl(tmp_path / "allbad.jsonl", rows[1:5] + [rows[1]]), skip_invalid=True)

@@ -1,4 +1,5 @@
-"Structure: every module imports only modules whose notebook comes earlier in the notebook order (imports stay one-way)."
+"Structure: every module imports only modules whose notebook comes earlier in the notebook order (one-way imports)."
+
 import ast, re
 from pathlib import Path
 
@@ -11,7 +12,8 @@ def notebook_order() -> dict[str, str]:
     out = {}
     for py in PKG.glob("*.py"):
         m = re.search(r"File to edit: \.\./nbs/([\w/]+)\.ipynb", py.read_text())
-        if m: out[py.stem] = m.group(1)
+        if m:
+            out[py.stem] = m.group(1)
     return out
 
 
@@ -51,5 +53,7 @@ def test_imports_are_one_way():
 def test_the_check_can_fail(tmp_path):
     "The parser sees relative, absolute and function-level imports."
     f = tmp_path / "m.py"
-    f.write_text("from .train import x\nimport opsd.eval\ndef g():\n    from opsd.toy import y\n    from opsd import plots\n")
+    f.write_text(
+        "from .train import x\nimport opsd.eval\ndef g():\n    from opsd.toy import y\n    from opsd import plots\n"
+    )
     assert opsd_imports(f) == {"train", "eval", "toy", "plots"}
