@@ -52,6 +52,7 @@ RULES = {
     "link-html": "a relative link to .html: write it as .ipynb (JupyterLab follows it; quarto/render_docs rewrite it)",
     "link-absolute": "a link to an absolute local path",
     "link-missing": "a relative link or image whose file does not exist",
+    "cell-id": "a cell without an id, or an id used twice (nbformat and JupyterLab rewrite them)",
     "jupyterlab-roundtrip": "a JupyterLab open-and-autosave followed by nbdev_clean would change the file",
     "unreadable": "the file is not valid notebook JSON",
 }
@@ -149,8 +150,11 @@ def nbdev_clean_text(text: str) -> str:
 
 def jupyterlab_roundtrip(text: str) -> str:
     "Notebook JSON `text` after JupyterLab opens and autosaves it, then nbdev_clean."
+    import warnings
     import nbformat
-    nb = nbformat.reads(text, as_version=nbformat.NO_CONVERT)  # the server reads (multi-line strings joined)
+    with warnings.catch_warnings():  # duplicate/missing cell ids: reported by the rule `cell-id`
+        warnings.simplefilter("ignore")
+        nb = nbformat.reads(text, as_version=nbformat.NO_CONVERT)  # the server reads (multi-line strings joined)
     model = js_numbers(json.loads(json.dumps(nb)))  # ... sends JSON to the browser, which parses it as JavaScript
     for c in model.get("cells", []):
         if "outputs" in c:
@@ -224,8 +228,15 @@ def check_notebook(path: Path, digests: dict[str, list[tuple[str, int]]] | None 
     if is_api and not any(c.get("outputs") for c in cells):
         add(None, None, "unexecuted", "no code cell has a saved output")
 
+    seen_ids: dict[str, int] = {}
     for i, c in enumerate(cells):
         cid = c.get("id")
+        if not cid:
+            add(i, cid, "cell-id", "no cell id")
+        elif cid in seen_ids:
+            add(i, cid, "cell-id", f"id {cid!r} already used by cell {seen_ids[cid]}")
+        else:
+            seen_ids[cid] = i
         if c.get("cell_type") == "markdown":
             _check_links(path, i, cid, _text(c.get("source", "")), add)
             continue
@@ -265,9 +276,15 @@ def check_notebook(path: Path, digests: dict[str, list[tuple[str, int]]] | None 
                         add(i, cid, "html-script", f"{where}: {mime}")
     if not found or all(v.rule != "unreadable" for v in found):
         try:
-            if jupyterlab_roundtrip(text) != text:
-                add(None, None, "jupyterlab-roundtrip", "open-and-autosave in JupyterLab then nbdev_clean changes "
-                    "the file (plotly JSON numbers like 1.0, split stream outputs, or the file is not nbdev_clean'ed)")
+            after = jupyterlab_roundtrip(text)
+            if after != text:
+                old, new = text.splitlines(), after.splitlines()
+                n = min(len(old), len(new))
+                k = next((j for j, (x, y) in enumerate(zip(old, new)) if x != y), n)
+                first = (f"line {k + 1}: {old[k].strip()[:50]!r} -> {new[k].strip()[:50]!r}" if k < n
+                         else f"length {len(old)} -> {len(new)} lines")
+                add(None, None, "jupyterlab-roundtrip", "open-and-autosave in JupyterLab then nbdev_clean changes the "
+                    f"file (plotly JSON 1.0, split streams, duplicate ids, not nbdev_clean'ed); first change {first}")
         except Exception as e:  # an invalid notebook for nbformat
             add(None, None, "jupyterlab-roundtrip", f"nbformat cannot round-trip it: {type(e).__name__}: {str(e)[:99]}")
     return found
