@@ -9,7 +9,9 @@ issue saw change in kl_drift when it was opened in JupyterLab 4.6 (1.0 -> 1), re
 Deliberate breaks of tools/nbpolicy.py, each seen failing here (on a copy): js_numbers keeping 1.0 a float
 (test_js_numbers_match_node, test_roundtrip_changes_plotly_json_but_not_a_png); streams not joined
 (test_roundtrip_changes_...); duplicates never reported (duplicate-figure, test_size_unreadable_and_duplicates_...);
-the tqdm bar pattern dropped (test_checker_reports_the_rule[progress-bar]).
+the tqdm bar pattern dropped (test_checker_reports_the_rule[progress-bar]); the js_numbers break also fails
+test_roundtrip_reproduces_the_issue_on_kl_drift and test_simulation_equals_a_real_jupyter_server_save (the simulation
+checked against jupyter_server's own read and save of the file, with node parsing the model in between).
 """
 import base64
 import difflib
@@ -242,3 +244,55 @@ def test_roundtrip_reproduces_the_issue_on_kl_drift():
     def num(line):  # the number on a changed line: `  1.0,` or `"y": 1.0`
         return line[1:].split(":")[-1].strip(" ,")
     assert all(num(a).endswith(".0") and "." not in num(b) and float(num(a)) == float(num(b)) for a, b in changed)
+
+
+def test_simulation_equals_a_real_jupyter_server_save(tmp_path):
+    """The real thing, minus the page: jupyter_server's contents API reads a notebook, node parses and re-serialises the
+    model as JupyterLab's browser does, the server saves it, nbdev_clean runs. Its result must equal
+    jupyterlab_roundtrip's, on a figure stored as PNG (unchanged) and on kl_drift as issue 17 found it (changed)."""
+    import os
+    import socket
+    import time
+    import urllib.request
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node binary")
+    old = subprocess.run(["git", "show", "264131a:nbs/explanations/kl_drift.ipynb"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    if old.returncode != 0:
+        pytest.skip("git history not available (shallow clone)")
+    files = {"png.ipynb": (ROOT / "nbs" / "explanations" / "clip_analysis.ipynb").read_text(), "old.ipynb": old.stdout}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "policy-test"
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")}
+    cmd = [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}"]
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base, auth = f"http://127.0.0.1:{port}/api/contents/", {"Authorization": f"token {token}"}
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(urllib.request.Request(base, headers=auth), timeout=5)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("jupyter_server did not start")
+        for name, text in files.items():
+            model = urllib.request.urlopen(urllib.request.Request(base + name, headers=auth), timeout=60).read()
+            js = ("const m = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+                  "process.stdout.write(JSON.stringify({type: 'notebook', format: 'json', content: m.content}))")
+            body = subprocess.run([node, "-e", js], input=model, capture_output=True, timeout=60, check=True).stdout
+            put = urllib.request.Request(base + name, data=body, method="PUT",
+                                         headers={**auth, "Content-Type": "application/json"})
+            urllib.request.urlopen(put, timeout=60).read()
+            real = P.nbdev_clean_text((tmp_path / name).read_text(encoding="utf-8"))
+            assert real == P.jupyterlab_roundtrip(text), name
+            assert (real == text) == (name == "png.ipynb"), name
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
