@@ -549,7 +549,7 @@ def test_report_of_a_real_training_run(tmp_path):
     from opsd.rollout import SamplingConfig
     from opsd.runs import read_eval, read_metrics, read_positions
 
-    train = pytest.importorskip("opsd.train")
+    import opsd.train as train
 
     torch.set_num_threads(1)
     tok = qwen3_tokenizer()
