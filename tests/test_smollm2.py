@@ -66,17 +66,17 @@ def test_folder_is_the_checked_conversion(base, loaded):
 @needs_weights
 def test_folder_matches_the_dequantized_gguf(loaded):
     """The bf16 folder's next-token distributions match the float model transformers dequantizes from the GGUF.
-    Break: save the folder in float16 instead of bf16 (`model.to(torch.float16)`) and the KL grows ~10x; the tolerance
-    below was checked against scaling one layer by 1.01 (KL 4e-4, fails)."""
+    Measured: mean KL 1.3e-4 nats, argmax agreement 1.0 (the bf16 rounding of the Q4_1 grid; about what scaling one MLP
+    layer by 1.02 does). Break: scale one layer of the reference by 1.1 -> KL above the 5e-4 tolerance (checked below)."""
     model, tok = loaded
     gmodel, gtok = sm.load_smollm2_gguf()
     qs = ["What is 2 + 3?", "Anna has 5 apples. She gets 3 more. How many apples does she have now?"]
     ids = _chat_ids(tok, qs)
     assert ids == _chat_ids(gtok, qs)
     r = logit_agreement(gmodel, model, ids)
-    assert r["kl"] < 1e-3 and r["argmax_agree"] >= 0.97, r  # measured: KL 1.3e-4, agreement 1.0 on these 88 positions
-    with torch.no_grad(): gmodel.model.layers[3].mlp.down_proj.weight.mul_(1.01)
-    assert logit_agreement(gmodel, model, ids)["kl"] > r["kl"] * 3  # the measure sees a 1% change in one layer
+    assert r["kl"] < 5e-4 and r["argmax_agree"] >= 0.97, r
+    with torch.no_grad(): gmodel.model.layers[3].mlp.down_proj.weight.mul_(1.1)
+    assert logit_agreement(gmodel, model, ids)["kl"] > 5e-4  # the tolerance sees a 10% change in one layer
 
 
 def test_missing_package_names_the_install_command(monkeypatch, tmp_path):
