@@ -334,6 +334,9 @@ def format_analysis(result: dict) -> str:
                      f"student) {p['prompt_change']:.4f} ({s['prompt_change']:.0%}); reference text (wrong - none) "
                      f"{p['reference_text']:+.4f} ({s['reference_text']:.0%}); privilege (released - wrong) "
                      f"{p['privilege']:+.4f} ({s['privilege']:.0%})")
+        if p["privilege"] < 0:
+            lines.append("  privilege < 0: with its own reference the teacher sits closer to the student's samples than "
+                         "with another problem's")
     return "\n".join(lines)
 
 def analysis_json(result: dict) -> dict:
@@ -360,6 +363,7 @@ def add_analyze_args(p): # an argparse (sub)parser
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=128, help="completion budget")
     p.add_argument("--split", default="train", choices=["train", "test"], help="problems of this split")
     p.add_argument("--tau", type=float, default=0.05, help="entry-clip threshold")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is faster on a busy machine)")
     p.add_argument("--out", help="folder for analysis.json and token_view.html")
     p.add_argument("--json", action="store_true", help="print JSON (summary, bands, audit, ...), not the table")
     return p
@@ -370,8 +374,10 @@ def cmd_analyze(a) -> dict:
     if a.n < 1: raise ValueError(f"--n must be >= 1, got {a.n}")
     w = resolve_world(a.model, data=a.data)
     problems = w.problems(max(a.n, 2), seed=a.seed, split=a.split)
-    res = analyze(w.path, problems, w.prompt_config(None), n=a.n, seed=a.seed, max_new_tokens=a.max_new_tokens,
-                  tau=a.tau)
+    from opsd.toy import torch_threads
+    with torch_threads(a.threads or torch.get_num_threads()):
+        res = analyze(w.path, problems, w.prompt_config(None), n=a.n, seed=a.seed, max_new_tokens=a.max_new_tokens,
+                      tau=a.tau)
     res["config"]["model"] = a.model
     paths = write_analysis(res, a.out) if a.out else None
     if a.json:

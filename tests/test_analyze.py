@@ -161,7 +161,7 @@ def test_smollm2_slice(tmp_path, capsys):
     try: smollm2.smollm2_base()
     except ImportError as e: pytest.skip(f"SmolLM2 package missing: {e}")
     a = add_analyze_args(argparse.ArgumentParser()).parse_args(
-        ["--model", "smollm2", "--n", "2", "--max-new-tokens", "16", "--out", str(tmp_path)])
+        ["--model", "smollm2", "--n", "2", "--max-new-tokens", "16", "--threads", "1", "--out", str(tmp_path)])
     res = cmd_analyze(a)
     s = {r["teacher"]: r for r in res["summary"].iter_rows(named=True)}
     assert set(s) == {"released", "no_reference", "wrong_reference"}
