@@ -16,6 +16,7 @@ from .train import TEACHER_MODES, SCHEDULERS, ROLLOUTS, OBJECTIVES, NORMALIZE, E
 from .runs import read_metrics, read_config
 from .eval import grade, eval_runs
 from .worlds import resolve_world, WORLDS
+from .demo import parse_set
 
 # %% auto #0
 __all__ = ['CONFIG_CHOICES', 'TRAIN_FLAGS', 'PRESETS', 'add_config_flags', 'config_from_args', 'cmd_train', 'cmd_eval',
@@ -47,14 +48,6 @@ def add_config_flags(p, # an argparse (sub)parser
                            help=f"config field {n}" + (f": {', '.join(ch)}" if ch else ""))
     return p
 
-def _parse_set(items) -> dict:
-    import yaml
-    out = {}
-    for it in items or []:
-        if "=" not in it: raise ValueError(f"--set expects key=value, got {it!r}")
-        k, v = it.split("=", 1); out[k.strip()] = yaml.safe_load(v)
-    return out
-
 # %% ../nbs/11_cli.ipynb #b05015dc
 PRESETS = ("world", "released", "toy")  # `--preset`: the world's (default), the released recipe, the toy's CPU preset
 
@@ -62,7 +55,7 @@ def config_from_args(a) -> OPSDConfig:
     "The resolved config of `opsd train` arguments: preset, then the YAML file, then flags and --set."
     import yaml
     over = {k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k, None) is not None}
-    over.update(_parse_set(getattr(a, "set", None)))
+    over.update(parse_set(getattr(a, "set", None)))
     unknown = sorted(set(over) - {f.name for f in dataclasses.fields(OPSDConfig)})
     if unknown: raise ValueError(f"command line: unknown config field(s) {unknown}")
     path = getattr(a, "config", None)
@@ -82,7 +75,7 @@ def cmd_train(a) -> Path:
     "`opsd train`: one run of the resolved config on its world's problems."
     cfg = config_from_args(a)
     w = resolve_world(cfg.model, data=cfg.data)
-    problems = w.problems(2000, seed=cfg.seed, split="train")
+    problems = w.problems(w.n_train, seed=cfg.seed, split="train")
     tr = OPSDTrainer(cfg, problems, model_path=w.path, grader=lambda t, ans: grade(t, ans, mode=w.grade_mode),
                      prompt_config=w.prompt_config(cfg.prompt), progress=not a.quiet)
     try: run = tr.fit(resume=not a.fresh)
@@ -130,7 +123,8 @@ def cmd_padding(a):
     w = resolve_world(a.model, data=a.data)
     problems = w.problems(max(a.n, 64), seed=a.seed, split="test")
     model, tok = load_model(w.path, "float32")
-    sampling = SamplingConfig(max_new_tokens=64 if w.kind == "toy" else 256, seed=a.seed)
+    budget = a.max_new_tokens or (64 if w.kind == "toy" else w.eval.get("max_new_tokens") or 256)
+    sampling = SamplingConfig(max_new_tokens=budget, seed=a.seed)
     rep = padding_report(model, tok, problems, n=a.n, seed=a.seed, sampling=sampling, prompt_config=w.prompt_config())
     print(json.dumps(rep, indent=2, default=float) if a.json else format_padding_report(rep))
 
@@ -187,6 +181,8 @@ def parser() -> argparse.ArgumentParser:
     pd_.add_argument("--model", default="toy:soft", help=f"a world ({', '.join(WORLDS)}) or a model path with --data")
     pd_.add_argument("--data"); pd_.add_argument("--n", type=int, default=16)
     pd_.add_argument("--seed", type=int, default=0); pd_.add_argument("--json", action="store_true")
+    pd_.add_argument("--max-new-tokens", dest="max_new_tokens", type=int,
+                     help="completion budget of the sampled batch (default: toy 64, else the world's eval budget or 256)")
     pd_.set_defaults(fn=cmd_padding)
     _add_analyze(sub)
     return p

@@ -14,7 +14,7 @@ import polars as pl
 __all__ = ['DEMO_TEACHERS', 'DEMO_CLIPS', 'CLIP_TITLES', 'DEMO_TOY', 'EFFECTS', 'QUICK_TOY', 'DEMO_STEPS', 'DemoRecipe',
            'demo_jobs', 'job_config', 'run_job', 'run_jobs', 'run_world_jobs', 'demo_frames', 'seed_effects',
            'effect_table', 'format_effects', 'run_demo', 'run_study', 'study_schedules', 'study_released_lr',
-           'released_lr_variants', 'study_jobs', 'add_demo_args', 'cmd_demo']
+           'released_lr_variants', 'study_jobs', 'parse_set', 'add_demo_args', 'cmd_demo']
 
 # %% ../nbs/10b_demo.ipynb #72dafffb
 DEMO_TEACHERS = ("soft",)  # toy presets trained by default (see opsd.toy: the teacher's trust in references)
@@ -186,6 +186,7 @@ def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
     from opsd.worlds import resolve_world
     from opsd.train import OPSDTrainer
     from opsd.eval import grade, eval_runs, default_eval_sampling
+    from opsd.runs import latest_checkpoint, checkpoint_step, list_checkpoints, read_eval
     from transformers import AutoTokenizer
     worlds = {(j["world"], j.get("data")) for j in jobs}
     if len(worlds) != 1: raise ValueError(f"run_world_jobs: jobs of one world expected, got {sorted(map(str, worlds))}")
@@ -199,21 +200,29 @@ def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
     if progress: print(f"[opsd demo] {w.name}: base model ready ({time.perf_counter() - t0:.0f} s)", flush=True)
     tok = AutoTokenizer.from_pretrained(path)
     test_set = w.problems(r["n_eval"], seed=10_000, split="test")  # one held-out set for every run
-    train_sets = {s: w.problems(2000, seed=s, split="train") for s in sorted({j["seed"] for j in jobs})}
+    train_sets = {s: w.problems(w.n_train, seed=s, split="train") for s in sorted({j["seed"] for j in jobs})}
     pcs = {json.dumps(c.prompt, sort_keys=True): w.prompt_config(c.prompt) for c in cfgs}
     if len(pcs) != 1: raise ValueError("run_world_jobs: every run of one engine needs the same prompt wording")
     prompt_cfg, = pcs.values()
-    if engine is None:
-        t0 = time.perf_counter()
-        engine = _world_engine(w, cfgs[0], tok, [test_set, *train_sets.values()], prompt_cfg,
-                               max(budget, *(c.max_completion_length for c in cfgs)))
-        if progress: print(f"[opsd demo] one {type(engine).__name__} for {len(jobs)} runs, ready in "
-                           f"{time.perf_counter() - t0:.0f} s", flush=True)
+    shared = [engine]
+    def get_engine():  # made at the first need: a finished demo run again starts no engine
+        if shared[0] is None:
+            t0 = time.perf_counter()
+            shared[0] = _world_engine(w, cfgs[0], tok, [test_set, *train_sets.values()], prompt_cfg,
+                                      max(budget, *(c.max_completion_length for c in cfgs)))
+            if progress: print(f"[opsd demo] one {type(shared[0]).__name__} for {len(jobs)} runs, ready in "
+                               f"{time.perf_counter() - t0:.0f} s", flush=True)
+        return shared[0]
     done = {}
     for i, (j, cfg) in enumerate(zip(jobs, cfgs)):
         t0 = time.perf_counter()
+        ck = latest_checkpoint(cfg.run_dir)
+        if ck is not None and checkpoint_step(ck) >= cfg.steps:  # trained already: keep it
+            done[j["name"]] = dict(name=j["name"], run_dir=cfg.run_dir, train_s=0.0)
+            if progress: print(f"[opsd demo] {j['name']}: trained already ({i + 1}/{len(jobs)})", flush=True)
+            continue
         tr = OPSDTrainer(cfg, train_sets[j["seed"]], model_path=path, prompt_config=prompt_cfg, progress=progress,
-                         rollout=engine,
+                         rollout=get_engine(),
                          grader=lambda t, a: grade(t, a, mode=w.grade_mode))
         tr.fit(resume=True)
         del tr; gc.collect()
@@ -224,9 +233,13 @@ def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
     sampling = default_eval_sampling(r["eval_seed"], max_new_tokens=budget)
     for i, (j, cfg) in enumerate(zip(jobs, cfgs)):
         t0 = time.perf_counter()
-        eval_runs([cfg.run_dir], test_set, model_path=path, k=r["k"], seeds=(r["eval_seed"],), backend=engine,
-                  max_new_tokens=budget, grade_mode=w.grade_mode, prompt_cfg=prompt_cfg,
-                  dtype=w.eval_dtype or cfg.dtype, sampling=sampling, progress=False)
+        want = {(s, r["eval_seed"], "test") for s in [0] + [s for s, _ in list_checkpoints(cfg.run_dir)]}
+        ev = read_eval(cfg.run_dir)
+        have = set(ev.select("step", "seed", "split").iter_rows()) if ev.height else set()
+        if not want <= have:  # (sweep_checkpoints also skips what is done; this spares the engine start)
+            eval_runs([cfg.run_dir], test_set, model_path=path, k=r["k"], seeds=(r["eval_seed"],), backend=get_engine(),
+                      max_new_tokens=budget, grade_mode=w.grade_mode, prompt_cfg=prompt_cfg,
+                      dtype=w.eval_dtype or cfg.dtype, sampling=sampling, progress=False)
         done[j["name"]]["eval_s"] = round(time.perf_counter() - t0, 1)
         if progress: print(f"[opsd demo] {j['name']}: eval {done[j['name']]['eval_s']:.0f} s ({i + 1}/{len(jobs)})",
                            flush=True)
@@ -439,13 +452,17 @@ QUICK_TOY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_
                  max_new_tokens=24)
 DEMO_STEPS = 100  # toy: optimizer steps per run (a real world's come from its preset unless --steps)
 
-def _parse_set(items)->dict:
-    "`KEY=VALUE` strings (values parsed as YAML) as a dict."
+def parse_set(items)->dict:
+    "`KEY=VALUE` strings as a dict; values parsed as YAML, and `1e-5` (a string to YAML 1.1) as a number."
     import yaml
     out = {}
     for it in items or []:
         if "=" not in it: raise ValueError(f"--set expects KEY=VALUE, got {it!r}")
-        k, v = it.split("=", 1); out[k.strip()] = yaml.safe_load(v)
+        k, v = it.split("=", 1); val = yaml.safe_load(v)
+        if isinstance(val, str):
+            try: val = float(val) if val.strip().lower() not in ("nan", "inf", "-inf", "infinity") else val
+            except ValueError: pass
+        out[k.strip()] = val
     return out
 
 def add_demo_args(d):
@@ -484,7 +501,7 @@ def cmd_demo(a):
     steps = a.steps if a.steps is not None else (DEMO_STEPS if w.kind == "toy" else None)
     if steps is not None: cfg.update(steps=steps, save_every=max(steps // 4, 1))
     recipe = DemoRecipe(cfg, n_eval=a.n_eval, k=a.k)
-    over = _parse_set(a.set)
+    over = parse_set(a.set)
     toy, teachers = None, list(a.teachers)
     if w.kind == "toy" and a.data: raise ValueError("--data: the toy demo uses the toy world's own problems")
     if w.kind == "toy" and a.model != "toy": teachers = [w.preset]  # --model toy:copy

@@ -55,6 +55,11 @@ class World:
         return self.name
 
     @property
+    def n_train(self) -> int:
+        "How many training problems a run draws its batches from (SmolLM2's easy level has about 1,450 distinct ones)."
+        return 1000 if self.kind == "real" else 2000
+
+    @property
     def eval(self) -> dict:
         "Held-out evaluation defaults: n problems, k samples each, max_new_tokens (None: the eval sampling's)."
         if self.kind == "real":
@@ -69,8 +74,9 @@ class World:
 
 # %% ../nbs/08c_worlds.ipynb #b952f1e8
 @patch
-def problems(self: World, n: int = 2000, seed: int = 0, split: str = "train") -> list[dict]:
+def problems(self: World, n: int | None = None, seed: int = 0, split: str = "train") -> list[dict]:
     "The world's problem records: from `data` when set, else its own generator's (`split` 'train' or 'test')."
+    n = self.n_train if n is None else n
     if self.data is not None:
         from opsd.data import load_problems
         recs = list(load_problems(self.data))
