@@ -329,6 +329,13 @@ def report_from_frames(
         for run, cfg in (configs or {}).items())
     runs = ", ".join(html.escape(str(r)) for r in table["run"].to_list()) if table.height else ""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    runs_html = "" if (table.height == 0 and token_views) else f"""<h2>Summary</h2>
+<p>First and last logged optimizer step of each run (raw values, not smoothed); accuracy is avg@k on held-out
+problems, mean over evaluation seeds.</p>
+{_table_html(table)}
+<h2>Figures</h2>
+<nav>{nav}</nav>
+{''.join(parts) or '<p>No figures: the metrics have none of the plotted columns.</p>'}"""
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{html.escape(title)}</title><style>{_CSS}</style></head>
@@ -338,13 +345,7 @@ def report_from_frames(
 rows.</p>
 {warn}
 {_extra_tables(tables)}
-<h2>Summary</h2>
-<p>First and last logged optimizer step of each run (raw values, not smoothed); accuracy is avg@k on held-out
-problems, mean over evaluation seeds.</p>
-{_table_html(table)}
-<h2>Figures</h2>
-<nav>{nav}</nav>
-{''.join(parts) or '<p>No figures: the metrics have none of the plotted columns.</p>'}
+{runs_html}
 {_token_views_html(token_views)}
 <h2>Configs</h2>
 {cfg_html or '<p>No configs given.</p>'}
