@@ -134,10 +134,11 @@ def analyze(model_path, # a model folder (from_pretrained), or a loaded (model, 
     if isinstance(model_path, (tuple, list)): model, tok = model_path
     else: model, tok = load_model(str(model_path), dtype)
     model.eval()
-    problems, cfg, t0 = list(problems)[:n], prompt_config or PromptConfig(), time.perf_counter()
+    pool, cfg, t0 = list(problems)[:max(n, 2)], prompt_config or PromptConfig(), time.perf_counter()
+    problems = pool[:n]   # the wrong reference of row i comes from the pool (so n = 1 works when 2 problems are given)
     s_prompts = [student_prompt_ids(tok, p["problem"], cfg) for p in problems]
-    t_prompts = {k: [tok(x, add_special_tokens=False)["input_ids"] for x in v]
-                 for k, v in teacher_prompts(tok, problems, cfg, teachers).items()}
+    t_prompts = {k: [tok(x, add_special_tokens=False)["input_ids"] for x in v[:n]]
+                 for k, v in teacher_prompts(tok, pool, cfg, teachers).items()}
     pad_id, eos_id = pad_eos_ids(tok)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                               seed=seed)

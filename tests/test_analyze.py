@@ -172,3 +172,12 @@ def test_smollm2_slice(tmp_path, capsys):
     assert res["prompts"]["released"][0] != res["prompts"]["wrong_reference"][0]
     assert (tmp_path / "token_view.html").read_text().count('class="tok') == len(res["view"]["tokens"]) > 0
     assert p0["solution"] and s["released"]["kl/true"] > 0
+
+
+def test_one_completion_takes_its_wrong_reference_from_the_next_problem(sharp, toy_problems):
+    "n=1 with two problems given: the wrong reference is problem 1's solution. Break: the pool cut to n rows -> fails."
+    _, tok = sharp
+    res = analyze(sharp, toy_problems[:2], TOY_PROMPT, n=1, max_new_tokens=4)
+    wrong = tok.decode(res["prompts"]["wrong_reference"][0])
+    assert toy_problems[1]["solution"] in wrong and toy_problems[0]["solution"] not in wrong
+    assert len(res["completions"]) == 1 and res["summary"].height == 3
