@@ -8,7 +8,7 @@ import dataclasses
 from functools import cached_property
 from pathlib import Path
 
-from fastcore.basics import patch
+from .train import patch  # the same decorator as fastcore's patch, without a runtime dependency (GPU machine)
 
 # %% auto #0
 __all__ = ['WORLDS', 'WORLD_KINDS', 'World', 'resolve_world']

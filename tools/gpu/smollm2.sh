@@ -40,7 +40,7 @@ PY
   ;;
 demo)
   t0=$(date +%s)
-  timeout ${LIMIT:-540} python3 -m opsd.cli demo --model smollm2 --clips entry scaled none --seeds ${SEEDS:-3} --out $RUNS \
+  timeout ${LIMIT:-540} python3 -m opsd.cli demo --model smollm2 --clips entry scaled none --seeds ${SEEDS:-3} --out $RUNS --no-png \
     > $OUT/demo.log 2>&1
   echo "demo rc=$? wall $(( $(date +%s) - t0 )) s"
   grep -E "^\[opsd demo\]|Traceback|Error" $OUT/demo.log | tail -25
