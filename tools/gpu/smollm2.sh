@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The SmolLM2 world on one H200 (issues 16 and 18), after the carried sets are unpacked into /tmp/site
 # (../shared/tools/gpu-pieces vllm opsd smollm2; see README.md here). Usage: bash tools/gpu/smollm2.sh PHASE
-#   tests   convert the GGUF once (opsd.smollm2.smollm2_base), the real-weights vLLM == HF test, the sampler-stall
+#   tests   convert the GGUF once (opsd.smollm2.smollm2_base), calibration (calibrate_smollm2.py), the real-weights
+#           vLLM == HF test, the sampler-stall
 #           test, and the same stall measurement with the warm-up switched off (the deliberate break)
 #   demo    `opsd demo --model smollm2 --clips entry scaled none --seeds 3` (resumes: call it again to finish)
 # Raw outputs go to $OUT (they are committed under bench/h200-2026-12-03-smollm2/).
@@ -16,6 +17,9 @@ tests)
   t0=$(date +%s)
   python3 -c "from opsd.smollm2 import smollm2_base; print(smollm2_base(progress=True))" 2>&1 | grep -v Warn | tail -3
   echo "conversion: $(( $(date +%s) - t0 )) s"
+  t0=$(date +%s)
+  python3 tools/gpu/calibrate_smollm2.py 2>&1 | tee $OUT/calibration.log | grep '^{'
+  echo "calibration: $(( $(date +%s) - t0 )) s"
   t0=$(date +%s)
   python3 -m pytest -q -x tests/test_gpu.py -k "smollm2 or real" -p no:cacheprovider 2>&1 | tee $OUT/test_gpu_smollm2.log | tail -4
   echo "test_gpu (real weights): $(( $(date +%s) - t0 )) s"
