@@ -45,8 +45,8 @@ def loaded(base):
 
 @needs_weights
 def test_folder_is_the_checked_conversion(base, loaded):
-    """Checksum marker, config and tokenizer of the cached folder.
-    Break: drop `del model.config.quantization_config` -> the config keeps it (and save_pretrained refuses)."""
+    """Checksum marker, config, dtype and tokenizer of the cached folder (what HF and vLLM will read).
+    Not break-tested: it reads the shared cache; the conversion's own breaks are exercised by the tests below."""
     assert json.loads((base / "opsd_smollm2.json").read_text())["gguf_sha256"] == SMOLLM2_GGUF_SHA256
     cfg = json.loads((base / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"]
