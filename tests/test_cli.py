@@ -35,8 +35,10 @@ def test_padding_json(tiny_ckpt, toy_problems, tmp_path):
     data = tmp_path / "p.jsonl"
     pl.DataFrame([{k: p[k] for k in ("problem", "solution", "answer")} for p in toy_problems]).write_ndjson(data)
     rep = json.loads(run("padding", "--model", tiny_ckpt, "--data", data, "--n", 8, "--json").stdout)
-    flat = json.dumps(rep)
-    assert "released" in flat and "aligned" in flat
+    assert rep["n"] == 8
+    sdpa = rep["perturbation"]["sdpa"]
+    # aligned: every row equals itself scored alone (float rounding only); released: the pad gap moves the teacher
+    assert sdpa["aligned"]["kl_max"] < 1e-9 < sdpa["released"]["kl_mean"]
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +149,6 @@ def test_eval_smollm2_run(smollm2_run):
     from opsd.smollm2 import word_problems
     want = sorted(str(p["answer"]) for p in word_problems(2, seed=10_000, split="test"))
     assert sorted(ev.filter(pl.col("step") == 0)["answer"].cast(pl.Utf8).to_list()) == want
-
-
-@pytest.mark.slow  # about 8 minutes on a busy 2-core CPU (the report's full-vocabulary float64 KLs)
-def test_padding_smollm2():
-    r = run("padding", "--model", "smollm2", "--n", "2", "--max-new-tokens", "12", "--json", check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "released" in json.loads(r.stdout) or "released" in r.stdout
 
 
 def test_demo_on_a_path_world_from_the_command_line(tiny_ckpt, toy_data_file, tmp_path):
