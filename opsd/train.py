@@ -25,7 +25,7 @@ from .runs import RunDir, DTYPES, load_model
 __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS',
            'FUSED_KERNEL_MODES', 'patch', 'OPSDConfig', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing',
            'bf16_adapter_compute', 'Teacher', 'save_checkpoint', 'load_checkpoint', 'StepPlan', 'Samples',
-           'BackwardResult', 'UpdateResult', 'Timings', 'OPSDTrainer', 'train']
+           'BackwardResult', 'UpdateResult', 'Timings', 'OPSDTrainer', 'train', 'PendingRollout']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -89,6 +89,8 @@ class OPSDConfig:
     vllm_memory: float = 0.3  # vLLM's share of GPU memory (weights + KV cache), colocated with training
     vllm_sleep: bool = True  # vLLM sleeps (frees its memory) during the training phase of each step
     replicate_rollout: bool = False  # every process samples the whole step batch (exactly equal to 1 process)
+    async_rollout: bool = False  # one step off-policy: step t trains on completions sampled before step t-1's update,
+    #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
     # prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)
     # logging
@@ -120,6 +122,7 @@ class OPSDConfig:
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"config field top_k={self.top_k!r}: must be >= 0 (0 or None = off)")
         self.lora_targets = tuple(self.lora_targets)
+        if self.async_rollout: self.vllm_sleep = False   # the engine stays awake: it samples while training runs
 
     @classmethod
     def toy(cls, **kw) -> "OPSDConfig":
@@ -273,12 +276,17 @@ def _set_rng_state(s):
     random.setstate(s["python"]); np.random.set_state(s["numpy"]); torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
 
-def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, teacher: Teacher) -> Path:
-    "Write checkpoints/step-N atomically (model: the unwrapped peft model)."
+def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, teacher: Teacher,
+                    rollout_adapter: dict | None = None) -> Path:
+    "Write checkpoints/step-N atomically (model: the unwrapped peft model; async: the pending rollout's adapter)."
     final = RunDir(run_dir).checkpoints_dir / f"step-{step}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
+    if rollout_adapter is not None:
+        from safetensors.torch import save_file
+        save_file({k: v.detach().cpu().contiguous() for k, v in rollout_adapter.items()},
+                  str(tmp / "rollout_adapter.safetensors"))
     torch.save(dict(optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), teacher=teacher.state_dict(),
                     rng=_rng_state(), step=step), tmp / "trainer_state.pt")
     (tmp / "state.json").write_text(json.dumps(dict(step=step)))
@@ -343,9 +351,12 @@ class Timings:
     rollout: float = 0.0
     train: float = 0.0
     sync: float = 0.0
+    rollout_wait: float | None = None  # async_rollout: seconds the step waited for rollouts (None: synchronous)
+    overlap: float | None = None  # async_rollout: seconds of rollout hidden under training
     @property
-    def total(self) -> float: return self.rollout + self.train + self.sync
-    def row(self) -> dict: return {f"time/{k}": v for k, v in asdict(self).items()}
+    def total(self) -> float:
+        return (self.rollout if self.rollout_wait is None else self.rollout_wait) + self.train + self.sync
+    def row(self) -> dict: return {f"time/{k}": v for k, v in asdict(self).items() if v is not None}
 
 
 # %% ../nbs/06_train.ipynb #c0a10001
@@ -410,6 +421,7 @@ class OPSDTrainer:
         self.rollout = rollout if rollout is not None else self._make_rollout()
         if rollout is not None: self.sync()   # a shared engine may hold another run's student: load ours first
         self.step_done = 0
+        self._pending, self._side_stream = None, None   # async_rollout: the rollout of the next step; its CUDA stream
 
     @property
     def unwrapped(self): return self.acc.unwrap_model(self.model)
@@ -458,11 +470,10 @@ def plan(self: OPSDTrainer, step: int) -> StepPlan:
 
 # %% ../nbs/06_train.ipynb #2abc6a28
 @patch
-def sample(self: OPSDTrainer, plan: StepPlan) -> Samples:
-    "Completions for this process's problems (and the Rollout, for sampled accuracy)."
+def _generate(self: OPSDTrainer, plan: StepPlan) -> Samples:
+    "The plan's completions from the engine's current weights, seeded by its step (no mode switch, no sleep)."
     cfg, rank, world = self.cfg, self.acc.process_index, self.acc.num_processes
     seed = cfg.seed * 100003 + plan.step
-    self.model.eval()
     if cfg.replicate_rollout or world == 1:
         sampling = dataclasses.replace(self.sampling, seed=seed)
         ro = self.rollout.generate([self.prompts(i)[0] for i in plan.idx], sampling)
@@ -471,6 +482,13 @@ def sample(self: OPSDTrainer, plan: StepPlan) -> Samples:
         sampling = dataclasses.replace(self.sampling, seed=seed * 997 + rank)
         ro = self.rollout.generate([self.prompts(i)[0] for i in plan.mine], sampling)
         out = Samples(ro.completion_ids, ro.finish_reason, ro)
+    return out
+
+@patch
+def sample(self: OPSDTrainer, plan: StepPlan) -> Samples:
+    "Completions for this process's problems (and the Rollout, for sampled accuracy)."
+    self.model.eval()
+    out = self._generate(plan)
     if self.cfg.vllm_sleep: self.rollout.sleep()     # vLLM frees its memory for the training phase (HF: nothing)
     return out
 
@@ -599,6 +617,7 @@ def _sampled_acc(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> float |
 @patch
 def step(self: OPSDTrainer, step: int) -> dict:
     "One optimizer step: plan, sample, batches, forward_loss + backward, update, sync; returns its metrics row."
+    if self.cfg.async_rollout: return self._step_async(step)
     dev = self.acc.device
     t0 = time.perf_counter()
     plan = self.plan(step)
@@ -611,12 +630,17 @@ def step(self: OPSDTrainer, step: int) -> dict:
     _sync(dev); t3 = time.perf_counter()
     row = self.metrics_row(step, samples=samples, back=back, update=upd, times=Timings(t1 - t0, t2 - t1, t3 - t2),
                            sampled_acc=self._sampled_acc(plan, samples))
+    self._keep_positions(step, back)
+    return row
+
+@patch
+def _keep_positions(self: OPSDTrainer, step: int, back: BackwardResult):
+    "A seeded sample of the step's per-position instruments, for positions.jsonl (main process)."
     if self.cfg.log_positions and back.positions and self.acc.is_main_process:
         import polars as pl
         p = pl.concat(back.positions)
         p = p.sample(min(self.cfg.log_positions, p.height), seed=self.cfg.seed * 7919 + step)
         self._positions = [dict(run=self.name, step=step, clip=self.cfg.clip, **r) for r in p.to_dicts()]
-    return row
 
 
 # %% ../nbs/06_train.ipynb #50843787
@@ -627,6 +651,7 @@ def resume(self: OPSDTrainer) -> int:
     if ck is None: return 0
     self.step_done = load_checkpoint(ck, self.unwrapped, self.optimizer, self.scheduler, self.teacher)
     if self.acc.is_main_process: self.run.truncate_after(self.step_done)
+    if self.cfg.async_rollout and self.step_done < self.cfg.steps: self._pending = self._regenerate_pending(ck)
     self.sync()
     return self.step_done
 
@@ -634,7 +659,8 @@ def resume(self: OPSDTrainer) -> int:
 def save(self: OPSDTrainer, step: int):
     "A checkpoint of this step (main process), then a barrier."
     if self.acc.is_main_process:
-        save_checkpoint(self.run_dir, step, self.unwrapped, self.optimizer, self.scheduler, self.teacher)
+        pend = self._pending.weights if self.cfg.async_rollout and self._pending is not None else None
+        save_checkpoint(self.run_dir, step, self.unwrapped, self.optimizer, self.scheduler, self.teacher, pend)
     self.acc.wait_for_everyone()
 
 def _main_thread():
@@ -685,4 +711,97 @@ def train(cfg: OPSDConfig, problems: Sequence[dict] | None = None, resume: bool 
             raise ValueError("no problems: pass `problems` or set cfg.data (the CLI's default is the toy world)")
         problems = load_problems(cfg.data)
     return OPSDTrainer(cfg, problems, **kw).fit(resume=resume)
+
+
+# %% ../nbs/06_train.ipynb #a5f1c002
+@dataclass
+class PendingRollout:
+    "A rollout launched for a later step: its plan, the adapter it samples from, and (when done) samples or error."
+    plan: StepPlan
+    weights: dict  # the LoRA state (peft names) the engine held at launch: stored in checkpoints for resume
+    samples: Samples | None = None
+    seconds: float = 0.0
+    error: BaseException | None = None
+    thread: object = None
+
+def _lora_state(model) -> dict:
+    from peft.utils import get_peft_model_state_dict
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+@patch
+def launch_rollout(self: OPSDTrainer, step: int) -> PendingRollout:
+    "Start the rollout of `step` from the engine's weights: a thread on a side CUDA stream, or at once on CPU."
+    import threading
+    p = PendingRollout(self.plan(step), _lora_state(self.unwrapped))
+    cuda = self.acc.device.type == "cuda"
+    if cuda and getattr(self.rollout, "gen_model", None) is self.unwrapped:
+        raise ValueError("config field async_rollout=True: the HF rollout generates with the training model itself; "
+                         "use a merged HF engine (the trainer's default) or vLLM")
+    stream = torch.cuda.Stream(self.acc.device) if cuda and self._side_stream is None else self._side_stream
+    self._side_stream = stream
+    def work():
+        t0 = time.perf_counter()
+        try:
+            if stream is None: p.samples = self._generate(p.plan)
+            else:
+                with torch.cuda.stream(stream): p.samples = self._generate(p.plan)
+                stream.synchronize()
+        except BaseException as e: p.error = e
+        p.seconds = time.perf_counter() - t0
+    if stream is None: work()
+    else:
+        stream.wait_stream(torch.cuda.current_stream(self.acc.device))   # the engine's synced weights are written
+        p.thread = threading.Thread(target=work, name=f"opsd-rollout-{step}", daemon=True)
+        p.thread.start()
+    return p
+
+@patch
+def join_rollout(self: OPSDTrainer, p: PendingRollout) -> Samples:
+    "Wait for a launched rollout; its samples (an error in the rollout is raised here, naming the step)."
+    if p.thread is not None: p.thread.join(); p.thread = None
+    if p.error is not None: raise RuntimeError(f"the rollout of step {p.plan.step} failed") from p.error
+    return p.samples
+
+@patch
+def _step_async(self: OPSDTrainer, step: int) -> dict:
+    "One step with the rollout of step+1 overlapped: train on the pending samples (from θ_{step-2}), join, sync."
+    dev, t0 = self.acc.device, time.perf_counter()
+    plan, p, self._pending = self.plan(step), self._pending, None
+    if p is not None and p.plan.step == step: samples, ran = self.join_rollout(p), 0.0   # ran in the last step
+    else:   # the first step (or a resume without a stored rollout): sample this step's own batch first
+        samples = self._generate(plan); _sync(dev); ran = time.perf_counter() - t0
+    t_ready = time.perf_counter()
+    nxt = self.launch_rollout(step + 1) if step < self.cfg.steps else None    # from θ_{step-1}, the engine's
+    t1 = time.perf_counter()
+    back = self.backward_all(self.batches(plan.mine, samples.comps))
+    upd = self.update()
+    _sync(dev); t2 = time.perf_counter()
+    if nxt is not None: self.join_rollout(nxt); ran += nxt.seconds              # before the sync: never mid-rollout
+    t3 = time.perf_counter()
+    self.sync()
+    _sync(dev); t4 = time.perf_counter()
+    self._pending = nxt
+    wait = (t_ready - t0) + (t1 - t_ready) + (t3 - t2)
+    times = Timings(rollout=ran, train=t2 - t1, sync=t4 - t3, rollout_wait=wait, overlap=max(ran - wait, 0.0))
+    row = self.metrics_row(step, samples=samples, back=back, update=upd, times=times,
+                           sampled_acc=self._sampled_acc(plan, samples))
+    self._keep_positions(step, back)
+    return row
+
+@patch
+def _regenerate_pending(self: OPSDTrainer, ck: Path) -> PendingRollout | None:
+    "Resume: the rollout of the next step, regenerated from the adapter it came from (stored in the checkpoint)."
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    f = Path(ck) / "rollout_adapter.safetensors"
+    if not f.exists(): return None    # a synchronous run's checkpoint: the next step samples its own batch first
+    now, then = _lora_state(self.unwrapped), load_file(str(f), device=str(self.acc.device))
+    set_peft_model_state_dict(self.unwrapped, then)
+    try:
+        self.sync()
+        p = PendingRollout(self.plan(self.step_done + 1), _lora_state(self.unwrapped))
+        t0 = time.perf_counter(); p.samples = self._generate(p.plan); p.seconds = time.perf_counter() - t0
+    finally:
+        set_peft_model_state_dict(self.unwrapped, now)
+    return p
 

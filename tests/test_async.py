@@ -1,0 +1,154 @@
+"""Rollouts overlapped with training (`OPSDConfig.async_rollout`, issue 18): off is the synchronous step unchanged;
+on, step t trains on completions sampled from the adapter before step t-1's update (theta_{t-2}) with step t's own
+problems and seed; a resumed async run equals the uninterrupted one.
+
+Every trainer runs in float64 on CPU with one thread (bit-reproducible on one machine), so completions are compared
+exactly and metrics to rel 1e-10. On CPU the next rollout runs sequentially at launch (no overlap); the CUDA thread
+path is checked by the GPU test at the end (run by the lead on the H200). Each docstring names the deliberate break
+made once in a working copy of opsd/train.py, which made the test fail."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+from opsd.runs import read_metrics
+from opsd.train import OPSDConfig, OPSDTrainer
+
+pytestmark = [pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
+
+torch.set_num_threads(1)
+
+DATA = Path(__file__).parent / "data"
+# the stored regression run (tests/test_regression.py): recorded before async_rollout existed
+REG_CONFIG = dict(steps=3, batch_size=4, micro_batch_size=2, max_completion_length=8, dtype="float64", rollout="hf",
+                  lr=1e-2, tau=2e-5, seed=3, log_positions=0, save_every=100)
+
+
+def numbers(row: dict) -> dict:
+    "The numeric fields of a metrics row, timings left out."
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and not k.startswith("time/") and k != "seconds"}
+
+
+def make_trainer(ckpt, problems, run_dir, **kw) -> OPSDTrainer:
+    "A float64 CPU trainer on the toy preset with a small batch and a large constant lr (the samples move each step)."
+    base = dict(model=str(ckpt), run_dir=str(run_dir), steps=4, batch_size=4, micro_batch_size=4, lr=0.05,
+                scheduler="constant", max_grad_norm=0.0, max_completion_length=10, log_positions=0, dtype="float64",
+                save_every=100, padding="aligned")
+    return OPSDTrainer(OPSDConfig.toy(**{**base, **kw}), problems, progress=False)
+
+
+def record(tr: OPSDTrainer) -> dict:
+    "Record the completions each step trains on, every generate call, and the adapter after each update."
+    seen = dict(trained=[], generated=[], theta=[lora(tr)])
+    bat, upd, gen = tr.batches, tr.update, tr.rollout.generate
+
+    def batches(mine, comps):
+        seen["trained"].append([list(c) for c in comps]); return bat(mine, comps)
+
+    def update():
+        out = upd(); seen["theta"].append(lora(tr)); return out
+
+    def generate(prompts, sampling=None, **kw):
+        ro = gen(prompts, sampling, **kw); seen["generated"].append([list(c) for c in ro.completion_ids]); return ro
+    tr.batches, tr.update, tr.rollout.generate = batches, update, generate
+    return seen
+
+
+def lora(tr: OPSDTrainer) -> dict:
+    "The adapter state (peft names), cloned."
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(tr.unwrapped).items()}
+
+
+def test_async_off_equals_the_stored_synchronous_run(tiny_ckpt, toy_problems, tmp_path):
+    """`async_rollout=False` (explicit) gives the completions and metrics of tests/data/regression_toy.json, which was
+    recorded before async_rollout existed, and its rows carry no async timings. Break that made it fail: `step`
+    dispatching to `_step_async` whatever the config (step 2 trains on step 2's samples from theta_0, not theta_1)."""
+    want = json.loads((DATA / "regression_toy.json").read_text())
+    assert want["config"] == REG_CONFIG
+    tr = OPSDTrainer(OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "off"), async_rollout=False,
+                                    **REG_CONFIG), toy_problems, progress=False)
+    assert tr.cfg.vllm_sleep  # off leaves the release's sleep alone
+    seen = record(tr)
+    rows = [tr.step(s) for s in range(1, 4)]
+    assert seen["generated"] == want["completions"]
+    for s, (rw, rg) in enumerate(zip(want["metrics"], rows), 1):
+        got = numbers(rg)
+        assert got.keys() == rw.keys(), f"step {s}: {set(got) ^ set(rw)}"
+        for k in rw: assert got[k] == pytest.approx(rw[k], rel=1e-9, abs=1e-12), f"step {s} {k}"
+        assert "time/overlap" not in rg and "time/rollout_wait" not in rg
+
+
+def test_async_trains_on_samples_from_two_updates_back(sharp_ckpt, toy_problems, tmp_path):
+    """With async on, the completions trained on at step t equal a synchronous trainer's sample of step t (its plan
+    and seed) from the adapter theta_{max(t-2, 0)} saved during the async run, and (t >= 3) differ from the sample
+    from theta_{t-1} (one step of staleness is real and detected). The step's loss is the synchronous loss of those
+    completions under the current weights. Break that made it fail: the next rollout launched after the sync
+    (zero staleness: step t trains on theta_{t-1}'s samples)."""
+    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "async", async_rollout=True)
+    assert tr.cfg.vllm_sleep is False  # forced: the engine stays awake beside training
+    seen = record(tr)
+    rows = [tr.step(s) for s in range(1, 5)]
+    assert len(seen["trained"]) == 4 and len(seen["theta"]) == 5
+    ref = make_trainer(sharp_ckpt, toy_problems, tmp_path / "ref")
+
+    def sample_from(state, step):
+        set_peft_model_state_dict(ref.unwrapped, state); ref.sync()
+        return [list(c) for c in ref.sample(ref.plan(step)).comps]
+    stale = 0
+    for t in range(1, 5):
+        assert seen["trained"][t - 1] == sample_from(seen["theta"][max(t - 2, 0)], t), f"step {t}"
+        if t >= 3: stale += seen["trained"][t - 1] != sample_from(seen["theta"][t - 1], t)
+    assert stale >= 1, "theta_{t-1} and theta_{t-2} sample the same: the test could not see zero staleness"
+    # the loss of step 4: the synchronous forward of those completions under theta_3 (the weights before update 4)
+    set_peft_model_state_dict(ref.unwrapped, seen["theta"][3])
+    back = ref.backward_all(ref.batches(ref.plan(4).mine, seen["trained"][3]))
+    assert float(back.loss_total) == pytest.approx(rows[3]["loss"], rel=1e-10)
+    for r in rows:  # CPU: sequential, nothing hidden; the step's seconds count the wait
+        assert r["time/overlap"] == 0.0 and r["time/rollout_wait"] > 0
+        assert r["seconds"] == pytest.approx(r["time/rollout_wait"] + r["time/train"] + r["time/sync"])
+
+
+def test_async_resume_equals_uninterrupted_run(sharp_ckpt, toy_problems, tmp_path):
+    """An async run stopped after step 2 and resumed from its step-2 checkpoint equals the uninterrupted async run:
+    the completions trained on and every numeric metric of steps 3-4, bit for bit (the pending rollout of step 3 is
+    regenerated from the stored adapter theta_1 with step 3's seed). Breaks that made it fail: `_regenerate_pending`
+    returning None (the resumed step 3 samples its own batch from theta_2); regenerating from the checkpoint's theta_2
+    instead of rollout_adapter.safetensors."""
+    kw = dict(steps=4, save_every=2, teacher="ema", ema_decay=0.5, lora_dropout=0.1, micro_batch_size=2, lr=0.01,
+              async_rollout=True)
+
+    def run(name, stop_after=None):
+        tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / name, **kw)
+        seen = record(tr)
+        tr.fit(stop_after=stop_after)
+        return seen["trained"]
+    full = run("full")
+    first = run("resumed", stop_after=2)
+    assert (tmp_path / "resumed" / "checkpoints" / "step-2" / "rollout_adapter.safetensors").exists()
+    rest = run("resumed")
+    assert len(full) == 4 and len(first) == 2 and len(rest) == 2
+    assert first == full[:2] and rest == full[2:]
+    a, b = read_metrics(tmp_path / "full").to_dicts(), read_metrics(tmp_path / "resumed").to_dicts()
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b): assert numbers(ra) == numbers(rb)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_thread_on_cuda_same_samples_and_overlap(sharp_ckpt, toy_problems, tmp_path):
+    """CUDA: the rollout of step t+1 runs in a thread on a side stream (HF merged engine); the completions trained on
+    equal the CPU semantics (a synchronous sample of step t from theta_{t-2}), and some rollout time is hidden under
+    training. Break to try: launching with a `stream` of None on CUDA (no overlap: time/overlap stays 0)."""
+    kw = dict(dtype="float32", batch_size=8, micro_batch_size=2, max_completion_length=32, lr=0.05, steps=4)
+    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "gpu", async_rollout=True, **kw)
+    assert tr.acc.device.type == "cuda"
+    seen = record(tr)
+    rows = [tr.step(s) for s in range(1, 5)]
+    ref = make_trainer(sharp_ckpt, toy_problems, tmp_path / "gref", **kw)
+    for t in range(1, 5):
+        set_peft_model_state_dict(ref.unwrapped, seen["theta"][max(t - 2, 0)]); ref.sync()
+        assert seen["trained"][t - 1] == [list(c) for c in ref.sample(ref.plan(t)).comps], f"step {t}"
+    assert sum(r["time/overlap"] for r in rows[:-1]) > 0
