@@ -724,6 +724,10 @@ class PendingRollout:
     error: BaseException | None = None
     thread: object = None
 
+def _sync_main(device):
+    "Wait for this thread's CUDA stream only (a device-wide synchronize would also wait for the rollout's kernels)."
+    if torch.device(device).type == "cuda": torch.cuda.current_stream(device).synchronize()
+
 def _lora_state(model) -> dict:
     from peft.utils import get_peft_model_state_dict
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
@@ -769,17 +773,17 @@ def _step_async(self: OPSDTrainer, step: int) -> dict:
     plan, p, self._pending = self.plan(step), self._pending, None
     if p is not None and p.plan.step == step: samples, ran = self.join_rollout(p), 0.0   # ran in the last step
     else:   # the first step (or a resume without a stored rollout): sample this step's own batch first
-        samples = self._generate(plan); _sync(dev); ran = time.perf_counter() - t0
+        samples = self._generate(plan); _sync_main(dev); ran = time.perf_counter() - t0
     t_ready = time.perf_counter()
     nxt = self.launch_rollout(step + 1) if step < self.cfg.steps else None    # from θ_{step-1}, the engine's
     t1 = time.perf_counter()
     back = self.backward_all(self.batches(plan.mine, samples.comps))
     upd = self.update()
-    _sync(dev); t2 = time.perf_counter()
+    _sync_main(dev); t2 = time.perf_counter()
     if nxt is not None: self.join_rollout(nxt); ran += nxt.seconds              # before the sync: never mid-rollout
     t3 = time.perf_counter()
     self.sync()
-    _sync(dev); t4 = time.perf_counter()
+    _sync_main(dev); t4 = time.perf_counter()
     self._pending = nxt
     wait = (t_ready - t0) + (t1 - t_ready) + (t3 - t2)
     times = Timings(rollout=ran, train=t2 - t1, sync=t4 - t3, rollout_wait=wait, overlap=max(ran - wait, 0.0))
