@@ -6,15 +6,17 @@ Every trainer runs in float64 on CPU with one thread (bit-reproducible on one ma
 exactly and metrics to rel 1e-10. On CPU the next rollout runs sequentially at launch (no overlap); the CUDA thread
 path is checked by the GPU test at the end (run by the lead on the H200). Each docstring names the deliberate break
 made once in a working copy of opsd/train.py, which made the test fail."""
-import json
+import json, os, subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
-from opsd.runs import read_metrics
+from opsd.runs import read_config, read_metrics
 from opsd.train import OPSDConfig, OPSDTrainer
+
+from conftest import venv_bin
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
 
@@ -134,6 +136,22 @@ def test_async_resume_equals_uninterrupted_run(sharp_ckpt, toy_problems, tmp_pat
     a, b = read_metrics(tmp_path / "full").to_dicts(), read_metrics(tmp_path / "resumed").to_dicts()
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b): assert numbers(ra) == numbers(rb)
+
+
+def test_cli_set_async_rollout(tiny_ckpt, toy_data_file, tmp_path):
+    """`opsd train --set async_rollout=true` runs async (rows log the rollout wait and overlap) and writes the forced
+    `vllm_sleep: false` into the run's config. Break that made it fail: dropping the forcing line in
+    `OPSDConfig.__post_init__` (the config keeps vllm_sleep true)."""
+    run = tmp_path / "cli"
+    cmd = [venv_bin("opsd"), "train", "--preset", "toy", "--model", str(tiny_ckpt), "--data", str(toy_data_file),
+           "--run-dir", str(run), "--steps", "3", "--save-every", "2", "--batch-size", "4", "--micro-batch-size", "4",
+           "--quiet", "--set", "max_completion_length=6", "log_positions=0", "async_rollout=true"]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    c = read_config(run)
+    assert (c["async_rollout"], c["vllm_sleep"]) == (True, False)
+    m = read_metrics(run)
+    assert m["step"].to_list() == [1, 2, 3] and (m["time/overlap"] == 0).all() and (m["time/rollout_wait"] > 0).all()
+    assert (run / "checkpoints" / "step-2" / "rollout_adapter.safetensors").exists()
 
 
 @pytest.mark.gpu
