@@ -748,7 +748,8 @@ def launch_rollout(self: OPSDTrainer, step: int) -> PendingRollout:
         try:
             if stream is None: p.samples = self._generate(p.plan)
             else:
-                with torch.cuda.stream(stream): p.samples = self._generate(p.plan)
+                with torch.cuda.device(stream.device), torch.cuda.stream(stream):   # this thread's device/stream
+                    p.samples = self._generate(p.plan)
                 stream.synchronize()
         except BaseException as e: p.error = e
         p.seconds = time.perf_counter() - t0
