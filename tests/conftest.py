@@ -13,36 +13,31 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory) -> Path:
-    "A small random-init Qwen3ForCausalLM saved with save_pretrained, with the toy tokenizer."
+def _tiny_qwen3(tmp_path_factory, name: str, seed: int, **extra) -> Path:
+    "A small random-init Qwen3ForCausalLM with the toy tokenizer, saved with save_pretrained."
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from opsd.toy import toy_tokenizer
     tok = toy_tokenizer()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                                          max_position_embeddings=1024, tie_word_embeddings=True,
-                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
-    path = tmp_path_factory.mktemp("ckpt") / "tiny-qwen3"
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **extra))
+    path = tmp_path_factory.mktemp("ckpt") / name
     model.save_pretrained(path); tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    "A small random-init Qwen3ForCausalLM saved with save_pretrained, with the toy tokenizer."
+    return _tiny_qwen3(tmp_path_factory, "tiny-qwen3", seed=0)
 
 
 @pytest.fixture(scope="session")
 def sharp_ckpt(tmp_path_factory) -> Path:
     "`tiny_ckpt` with larger weights (initializer_range 0.2): peaked outputs, teacher != student, the clip acts."
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    from opsd.toy import toy_tokenizer
-    tok = toy_tokenizer()
-    torch.manual_seed(1)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                                         max_position_embeddings=1024, tie_word_embeddings=True, initializer_range=0.2,
-                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
-    path = tmp_path_factory.mktemp("ckpt") / "sharp-qwen3"
-    model.save_pretrained(path); tok.save_pretrained(path)
-    return path
+    return _tiny_qwen3(tmp_path_factory, "sharp-qwen3", seed=1, initializer_range=0.2)
 
 
 @pytest.fixture(scope="session")
