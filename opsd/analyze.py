@@ -128,7 +128,7 @@ def analyze(model_path, # a model folder (from_pretrained), or a loaded (model, 
             dtype: str = "float32", # weights' dtype when loading a folder
            ) -> dict: # summary, bands, positions (frames), audit, view, completions, prompts, config, timing
     "Step-0 instruments of OPSD on real samples: true KL and every entry-clip instrument under each teacher prompt."
-    from opsd.train import load_model
+    from opsd.runs import load_model
     if n < 1 or len(problems) < n:
         raise ValueError(f"analyze: n={n} completions need n >= 1 problems, got {len(problems)}")
     if isinstance(model_path, (tuple, list)): model, tok = model_path

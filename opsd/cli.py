@@ -11,7 +11,8 @@ import polars as pl
 
 from .loss import CLIP_MODES
 from .collate import PAD_MODES
-from .train import OPSDConfig, OPSDTrainer, load_model
+from .train import OPSDConfig, OPSDTrainer
+from .runs import load_model
 from .train import TEACHER_MODES, SCHEDULERS, ROLLOUTS, OBJECTIVES, NORMALIZE, EMA_STARTS, DTYPES
 from .runs import read_metrics, read_config
 from .eval import grade, eval_runs
