@@ -158,7 +158,7 @@ class ToyConfig:
     weight_decay:float=0.0
     teacher_frac:float=0.4 # share of SFT examples in the teacher format (with a reference)
     slip_frac:float=0.2 # share of teacher-format references with a consistent slip (target stays correct)
-    sft_threads:int=2 # torch threads during SFT: fixed, so a build is bit-identical whatever the machine's setting
+    sft_threads:int=2 # torch threads during SFT: fixed (the thread count is not a source of difference between builds)
     # measurement
     n_eval:int=200 # held-out problems measured after the build
     max_new_tokens:int=48 # generation budget (a 3-step solution is about 35 tokens)
@@ -242,7 +242,7 @@ def train_sft(model, tokenizer, cfg:ToyConfig, progress:bool=True)->list[float]:
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, n_steps) / n_steps)))
     model.train(); losses = []
     bar = tqdm(range(cfg.sft_steps), desc="toy SFT", disable=not progress, mininterval=1.0)
-    with torch_threads(cfg.sft_threads): # CPU reductions split by thread count: fix it for bit-identical bases
+    with torch_threads(cfg.sft_threads): # CPU reductions split by thread count: fix it (builds still differ: see index)
       for step in bar:
           idx = sorted(order[step * cfg.batch_size:(step + 1) * cfg.batch_size], key=lambda i: len(P[i]) + len(T[i]))
           n_tok = sum(len(T[i]) for i in idx)
