@@ -19,6 +19,11 @@ from opsd import plots, report
 from opsd.plots import CLIP_COLORS
 
 
+# the report's figures, in page order
+REPORT_FIGURES = ("kl_drift", "loss_by_clip", "entry_loss_sign", "argmax_clipped", "grad_cos", "sampled_acc",
+                  "clipped_mass_entry", "grad_cos_by_band", "accuracy_test")
+
+
 @pytest.fixture(scope="module")
 def metrics():
     return plots.synthetic_metrics(steps=20, seeds=(0, 1, 2))
@@ -379,17 +384,7 @@ def test_report_html_is_self_contained(built):
             plots.synthetic_positions(800).with_columns(pl.lit("entry-s0").alias("run")),
         )
     )
-    assert names == [
-        "kl_drift",
-        "loss_by_clip",
-        "entry_loss_sign",
-        "argmax_clipped",
-        "grad_cos",
-        "sampled_acc",
-        "clipped_mass_entry",
-        "grad_cos_by_band",
-        "accuracy_test",
-    ]
+    assert names == list(REPORT_FIGURES)
     for name in names:
         assert f'id="fig-{name}"' in page, name
     assert page.count("Plotly.newPlot") == len(names)
@@ -413,19 +408,7 @@ def test_report_table_numbers_come_from_the_frames(built):
 @pytest.mark.skipif(not HAVE_CHROME, reason="no Chrome/Chromium for kaleido")
 def test_report_pngs(built):
     pngs = sorted((built["out"] / "figures").glob("*.png"))
-    assert [p.stem for p in pngs] == sorted(
-        [
-            "kl_drift",
-            "loss_by_clip",
-            "entry_loss_sign",
-            "argmax_clipped",
-            "grad_cos",
-            "sampled_acc",
-            "clipped_mass_entry",
-            "grad_cos_by_band",
-            "accuracy_test",
-        ]
-    )
+    assert [p.stem for p in pngs] == sorted(REPORT_FIGURES)
     for p in pngs:
         w, h = _is_png(p)
         assert w >= 1000 and h >= 400, (p, w, h)
