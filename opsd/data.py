@@ -14,7 +14,8 @@ from typing import Iterable
 __all__ = ['QWEN3_CHAT_TEMPLATE', 'QWEN3_ADDED_TOKENS', 'QWEN3_FIRST_ADDED_ID', 'QWEN3_VOCAB_SIZE', 'QWEN3_NOT_SPECIAL',
            'QWEN3_PAT_STR', 'RELEASED_GUARD', 'user_cache_dir', 'qwen3_tokenizer', 'PromptConfig', 'student_user_text',
            'teacher_user_text', 'student_prompt', 'teacher_prompt', 'prompt_ids', 'student_prompt_ids',
-           'teacher_prompt_ids', 'build_prompts', 'last_boxed', 'Problems', 'InvalidRow', 'load_problems']
+           'teacher_prompt_ids', 'build_prompts', 'last_boxed', 'Problems', 'InvalidRow', 'load_problems',
+           'model_context', 'check_context']
 
 # %% ../nbs/03_data.ipynb #be7e92f0
 QWEN3_CHAT_TEMPLATE = (
@@ -351,3 +352,27 @@ def load_problems(source, # .jsonl/.json/.parquet/.csv path, list of dicts, pola
     if skipped:
         warnings.warn(f"load_problems: skipped {sum(skipped.values())} invalid rows of {where}: {dict(skipped)}")
     return Problems(out, skipped, errors, where)
+
+# %% ../nbs/03_data.ipynb #150679d9
+def model_context(model_or_config)->int|None:
+    "The longest sequence a model's positions cover (`max_position_embeddings` of its config), or None if unknown."
+    cfg = getattr(model_or_config, "config", model_or_config)
+    n = getattr(cfg, "max_position_embeddings", None)
+    return int(n) if n else None
+
+def check_context(prompt_ids:list[list[int]], # token ids of each prompt
+                  budget:int, # completion tokens that follow each prompt (max_new_tokens)
+                  limit:int|None, # the model's context (`model_context`); None: nothing to check
+                  where:str, # names the data (file or run) in the message
+                  ids:list|None=None, # row ids, for the message (default: row positions)
+                  what:str="prompt", # 'student prompt', 'teacher prompt', ...
+                 )->None:
+    "Raise a ValueError naming the longest row when any prompt plus `budget` completion tokens exceeds `limit`."
+    if limit is None or not prompt_ids: return
+    over = [i for i, p in enumerate(prompt_ids) if len(p) + budget > limit]
+    if not over: return
+    worst = max(over, key=lambda i: len(prompt_ids[i]))
+    name = ids[worst] if ids is not None else worst
+    raise ValueError(f"{where}: {len(over)} of {len(prompt_ids)} {what}s do not fit the model's context of {limit} "
+                     f"tokens with {budget} completion tokens (longest: row {name!r}, {len(prompt_ids[worst])} "
+                     f"{what} tokens); shorten or drop them, or lower max_new_tokens")
