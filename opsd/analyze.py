@@ -375,7 +375,7 @@ def cmd_analyze(a) -> dict:
     if a.n < 1: raise ValueError(f"--n must be >= 1, got {a.n}")
     w = resolve_world(a.model, data=a.data)
     problems = w.problems(max(a.n, 2), seed=a.seed, split=a.split)
-    from opsd.toy import torch_threads
+    from opsd.repro import torch_threads
     with torch_threads(a.threads or torch.get_num_threads()):
         res = analyze(w.path, problems, w.prompt_config(None), n=a.n, seed=a.seed, max_new_tokens=a.max_new_tokens,
                       tau=a.tau)

@@ -4,13 +4,14 @@
 
 # %% ../nbs/08_toy.ipynb #717e6b7c
 from __future__ import annotations
-import contextlib, hashlib, json, math, random, shutil, tempfile, time
+import hashlib, json, math, random, shutil, tempfile, time
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 import torch.nn.functional as F
 from .data import (PromptConfig, QWEN3_CHAT_TEMPLATE, student_prompt, teacher_prompt, student_prompt_ids,
                        teacher_prompt_ids, user_cache_dir)
+from .repro import environment, folder_lock, pin_numerics, torch_threads, weights_fingerprint
 from .collate import collate, batch_logits
 from .rollout import HFRollout, SamplingConfig
 from .eval import grade
@@ -18,8 +19,8 @@ from .eval import grade
 # %% auto #0
 __all__ = ['TOY_PROMPT', 'TOY_SPECIAL_TOKENS', 'TOY_PRESETS', 'TOY_RECIPE_VERSION', 'split_of', 'solution_text', 'solution_steps',
            'make_problems', 'slip_solution', 'toy_tokenizer', 'ToyConfig', 'toy_config', 'toy_model', 'sft_examples',
-           'sft_batch', 'torch_threads', 'train_sft', 'toy_rollout', 'toy_accuracy', 'measure_toy', 'toy_base_path',
-           'build_toy_base', 'load_toy_base', 'toy_build_info']
+           'sft_batch', 'train_sft', 'toy_rollout', 'toy_accuracy', 'measure_toy', 'toy_base_path', 'build_toy_base',
+           'load_toy_base', 'toy_build_info', 'toy_fingerprint']
 
 # %% ../nbs/08_toy.ipynb #c44dd21c
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -158,7 +159,7 @@ class ToyConfig:
     weight_decay:float=0.0
     teacher_frac:float=0.4 # share of SFT examples in the teacher format (with a reference)
     slip_frac:float=0.2 # share of teacher-format references with a consistent slip (target stays correct)
-    sft_threads:int=2 # torch threads during SFT: fixed (the thread count is not a source of difference between builds)
+    sft_threads:int=1 # torch threads of the build (SFT and measurement): fixed, so the bits do not depend on the machine
     # measurement
     n_eval:int=200 # held-out problems measured after the build
     max_new_tokens:int=48 # generation budget (a 3-step solution is about 35 tokens)
@@ -223,14 +224,6 @@ def sft_batch(prompt_ids:list[list[int]], target_ids:list[list[int]], pad_id:int
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 # %% ../nbs/08_toy.ipynb #e2dcc324
-@contextlib.contextmanager
-def torch_threads(n:int):
-    "Run the block with `torch.set_num_threads(n)`; the previous count is restored afterwards."
-    old = torch.get_num_threads()
-    torch.set_num_threads(int(n))
-    try: yield
-    finally: torch.set_num_threads(old)
-
 def train_sft(model, tokenizer, cfg:ToyConfig, progress:bool=True)->list[float]:
     "SFT of `model` on both prompt formats (in place); returns the per-step losses."
     from tqdm.auto import tqdm
@@ -242,7 +235,7 @@ def train_sft(model, tokenizer, cfg:ToyConfig, progress:bool=True)->list[float]:
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, n_steps) / n_steps)))
     model.train(); losses = []
     bar = tqdm(range(cfg.sft_steps), desc="toy SFT", disable=not progress, mininterval=1.0)
-    with torch_threads(cfg.sft_threads): # CPU reductions split by thread count: fix it (builds still differ: see index)
+    with torch_threads(cfg.sft_threads): # CPU reductions split by thread count: fixed (nbs/05a_repro)
       for step in bar:
           idx = sorted(order[step * cfg.batch_size:(step + 1) * cfg.batch_size], key=lambda i: len(P[i]) + len(T[i]))
           n_tok = sum(len(T[i]) for i in idx)
@@ -313,7 +306,7 @@ def measure_toy(model, tokenizer, cfg:ToyConfig|None=None, # task knobs (default
     return {k: round(v, 4) for k, v in res.items()}
 
 # %% ../nbs/08_toy.ipynb #14c85010
-TOY_RECIPE_VERSION = 3  # bump when the task, tokenizer or SFT code changes what a config builds
+TOY_RECIPE_VERSION = 4  # (4: one thread, AVX2 kernels) bump when the task, tokenizer or SFT code changes what a config builds
 
 def toy_base_path(cfg:ToyConfig|None=None, preset:str="soft", cache_dir:str|Path|None=None)->Path:
     "Where `build_toy_base` puts (or finds) the base for a configuration."
@@ -332,25 +325,30 @@ def build_toy_base(cfg:ToyConfig|None=None, # full configuration (default: the p
     if preset not in TOY_PRESETS: raise ValueError(f"unknown toy preset {preset!r}; choose from {sorted(TOY_PRESETS)}")
     cfg = cfg if cfg is not None else toy_config(preset)
     path = toy_base_path(cfg, preset, cache_dir)
-    if not force and (path / "build.json").exists() and (path / "model.safetensors").exists(): return path
-    t0 = time.time()
-    tok = toy_tokenizer(); model = toy_model(cfg, tok)
-    losses = train_sft(model, tok, cfg, progress=progress)
-    t1 = time.time()
-    stats = measure_toy(model, tok, cfg, n=cfg.n_eval) if cfg.n_eval > 0 else {}
-    t2 = time.time()
-    info = dict(preset=preset, config=asdict(cfg), recipe=TOY_RECIPE_VERSION, measure=stats,
-                n_params=sum(p.numel() for p in model.parameters()), loss_first=losses[0] if losses else None,
-                loss_last=sum(losses[-20:]) / max(len(losses[-20:]), 1) if losses else None,
-                train_seconds=round(t1 - t0, 1), measure_seconds=round(t2 - t1, 1), seconds=round(t2 - t0, 1),
-                torch=torch.__version__, threads=cfg.sft_threads)
+    done = lambda: (path / "build.json").exists() and (path / "model.safetensors").exists()
+    if not force and done(): return path
+    pin_numerics()   # before the first CPU operation of this process, if it is one (else recorded as in effect)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".tmp"))
-    model.save_pretrained(tmp, safe_serialization=True); tok.save_pretrained(tmp)
-    (tmp / "build.json").write_text(json.dumps(info, indent=1))
-    shutil.rmtree(path, ignore_errors=True)
-    try: tmp.rename(path)
-    except OSError: shutil.rmtree(tmp, ignore_errors=True)  # a concurrent build finished first
+    with folder_lock(path.parent, "the toy-base cache", wait=True):   # a second builder waits, then finds the result
+        if not force and done(): return path
+        t0 = time.time()
+        with torch_threads(cfg.sft_threads):
+            tok = toy_tokenizer(); model = toy_model(cfg, tok)
+            losses = train_sft(model, tok, cfg, progress=progress)
+            t1 = time.time()
+            stats = measure_toy(model, tok, cfg, n=cfg.n_eval) if cfg.n_eval > 0 else {}
+        t2 = time.time()
+        info = dict(preset=preset, config=asdict(cfg), recipe=TOY_RECIPE_VERSION, measure=stats,
+                    n_params=sum(p.numel() for p in model.parameters()), loss_first=losses[0] if losses else None,
+                    loss_last=sum(losses[-20:]) / max(len(losses[-20:]), 1) if losses else None,
+                    train_seconds=round(t1 - t0, 1), measure_seconds=round(t2 - t1, 1), seconds=round(t2 - t0, 1),
+                    torch=torch.__version__, threads=cfg.sft_threads, environment=environment())
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".tmp"))
+        model.save_pretrained(tmp, safe_serialization=True); tok.save_pretrained(tmp)
+        info["fingerprint"] = weights_fingerprint(tmp)
+        (tmp / "build.json").write_text(json.dumps(info, indent=1))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
     return path
 
 def load_toy_base(path:str|Path):
@@ -361,5 +359,13 @@ def load_toy_base(path:str|Path):
     return load_model(path, "float32")
 
 def toy_build_info(path:str|Path)->dict:
-    "The `build.json` of a toy base (config, measurements, seconds)."
+    "The `build.json` of a toy base (config, measurements, seconds, environment, fingerprint)."
     return json.loads((Path(path) / "build.json").read_text())
+
+def toy_fingerprint(path:str|Path)->str:
+    "The toy base's weight fingerprint (`opsd.repro.weights_fingerprint`), checked against the one its build recorded."
+    fp, rec = weights_fingerprint(path), toy_build_info(path).get("fingerprint")
+    if rec is not None and rec != fp:
+        raise ValueError(f"{path}: the weights' fingerprint {fp} is not the {rec} recorded at build time: the cached "
+                         "base was modified; delete the folder to rebuild it")
+    return fp

@@ -9,7 +9,8 @@ from opsd.data import QWEN3_CHAT_TEMPLATE, last_boxed, student_prompt, teacher_p
 from opsd.data import student_prompt_ids
 from opsd.toy import (TOY_PROMPT, TOY_SPECIAL_TOKENS, ToyConfig, build_toy_base, load_toy_base, make_problems,
                       measure_toy, sft_examples, slip_solution, solution_steps, split_of, toy_accuracy, toy_base_path,
-                      toy_build_info, toy_config, toy_model, toy_rollout, toy_tokenizer, torch_threads)
+                      toy_build_info, toy_config, toy_model, toy_rollout, toy_tokenizer)
+from opsd.repro import torch_threads
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest (and robust on a shared machine)
 
