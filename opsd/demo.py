@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 import polars as pl
+from .repro import environment
 
 # %% auto #0
 __all__ = ['DEMO_TEACHERS', 'DEMO_CLIPS', 'CLIP_TITLES', 'DEMO_TOY', 'EFFECTS', 'QUICK_TOY', 'DEMO_STEPS', 'DemoRecipe',
@@ -100,6 +101,8 @@ def run_job(job:dict, # from `demo_jobs`
     "Train one demo run (resuming a finished or interrupted one) and/or evaluate step 0 and every checkpoint."
     if phase not in ("train", "eval", "both"):
         raise ValueError(f"run_job: phase must be train, eval or both, got {phase!r}")
+    from opsd.repro import pin_numerics
+    pin_numerics()                       # a fresh worker: before its first CPU operation (nbs/05a_repro)
     import torch
     torch.set_num_threads(threads)
     from opsd.toy import make_problems, toy_config, TOY_PROMPT
@@ -137,8 +140,10 @@ def run_jobs(jobs:list[dict], workers:int|None=None, # processes; None = the mac
     workers = workers or os.cpu_count() or 1
     for teacher, toy in {(j["teacher"], json.dumps(j["toy"], sort_keys=True)) for j in jobs}:
         t0 = time.perf_counter()
-        _toy_base(teacher, json.loads(toy), progress=progress)
-        if progress: print(f"[opsd demo] toy base '{teacher}' ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+        from opsd.toy import toy_fingerprint
+        fp = toy_fingerprint(_toy_base(teacher, json.loads(toy), progress=progress))
+        if progress: print(f"[opsd demo] toy base '{teacher}' ready ({time.perf_counter() - t0:.0f} s), "
+                           f"weights fingerprint {fp}", flush=True)
     done = {}
     say = lambda r: progress and print(f"[opsd demo] {r['name']}: train {r['train_s']:.0f} s, eval {r['eval_s']:.0f} s "
                                        f"({len(done)}/{len(jobs)})", flush=True)
@@ -267,6 +272,11 @@ def demo_frames(out:str|Path="runs/demo")->tuple[pl.DataFrame, pl.DataFrame, pl.
         lit = [pl.lit(v).alias(k) for k, v in cols.items()]
         for reader, acc in ((read_metrics, ms), (read_eval, es), (read_positions, ps)):
             f = reader(d)
+            if reader is read_metrics and f.height and f["step"].is_duplicated().any():
+                dup = sorted(set(f.filter(f["step"].is_duplicated())["step"].to_list()))
+                raise ValueError(f"{d / 'metrics.jsonl'}: step(s) {dup[:5]} appear more than once (two writers, or a "
+                                 "re-run that appended again); the summary would count them twice: rerun that run "
+                                 "with --fresh")
             if f.height: acc.append(f.drop([k for k in cols if k in f.columns]).with_columns(lit))
     cat = lambda fs: pl.concat(fs, how="diagonal_relaxed") if fs else pl.DataFrame()
     return cat(ms), cat(es), cat(ps)
@@ -384,8 +394,15 @@ def run_demo(out:str|Path="runs/demo", teachers:Sequence[str]=DEMO_TEACHERS, cli
             reports.append(write_report(runs, out / f"report-{t}", png=png, tables={head: summary},
                                         title=f"opsd demo, {what}: {', '.join(CLIP_TITLES.get(c, c) for c in clips)} "
                                               f"({len(runs) // len(clips)} seeds)"))
+    record = dict(environment=environment(), runs=sorted(names))
+    if not sequential:
+        from opsd.toy import toy_fingerprint
+        record["toy_bases"] = {t: toy_fingerprint(_toy_base(t, jobs[0]["toy"])) for t in teachers}
+    (out / "demo.json").write_text(json.dumps(record, indent=1))
     secs = time.perf_counter() - t0
-    text = format_effects(table)
+    bases = ", ".join(f"{t} {fp}" for t, fp in record.get("toy_bases", {}).items())
+    text = format_effects(table) + (f"\n(toy base weights fingerprint: {bases}; the numbers above are those of "
+                                    "this base: nbs/05a_repro says what else they depend on)" if bases else "")
     if progress:
         print(text)
         print(f"[opsd demo] finished in {secs:.0f} s ({secs / 60:.1f} min); runs under {out}" +

@@ -12,6 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The arithmetic a user's `opsd` command uses (AVX2 kernels: nbs/05a_repro), before any test computes: stored values
+# then hold on any x86 CPU, and subprocesses inherit the same setting.
+from opsd.repro import pin_numerics  # noqa: E402
+pin_numerics()
+
 
 def _tiny_qwen3(tmp_path_factory, name: str, seed: int, **extra) -> Path:
     "A small random-init Qwen3ForCausalLM with the toy tokenizer, saved with save_pretrained."
