@@ -5,11 +5,16 @@
 # %% ../nbs/07_eval.ipynb #76ab75d3
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import math
 import re
+import sys
 import threading
 import time
+import warnings
 from collections import Counter
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -18,13 +23,16 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import polars as pl
 
-from .data import last_boxed
-from .runs import RunDir, jsonl_rows, list_checkpoints, load_model, with_adapter
+from .data import check_context, last_boxed, model_context
+from .repro import folder_lock, weights_fingerprint
+from .runs import RunDir, adapter_dir, jsonl_rows, list_checkpoints, load_model, rewrite_jsonl, with_adapter
 
 # %% auto #0
-__all__ = ['GRADE_MODES', 'EVAL_COLUMNS', 'EVAL_ROW_SCHEMA', 'normalize_answer', 'answer_correct', 'grade', 'avg_at_k',
-           'pass_at_k', 'majority_vote', 'seed_summary', 'default_eval_sampling', 'eval_prompt_ids', 'eval_backend',
-           'evaluate', 'summarize_eval', 'seed_table', 'sweep_checkpoints', 'eval_runs']
+__all__ = ['GRADE_MODES', 'EVAL_COLUMNS', 'EVAL_ROW_SCHEMA', 'KEY_COLUMNS', 'BLOCK_COLUMNS', 'SETTINGS_MODES', 'normalize_answer',
+           'answer_correct', 'grade', 'avg_at_k', 'pass_at_k', 'majority_vote', 'seed_summary', 'default_eval_sampling',
+           'eval_prompt_ids', 'eval_backend', 'evaluate', 'data_hash', 'checkpoint_fingerprint', 'base_fingerprint',
+           'eval_key', 'scan_eval', 'repair_eval', 'current_eval', 'summarize_eval', 'seed_table', 'sweep_checkpoints',
+           'eval_runs']
 
 # %% ../nbs/07_eval.ipynb #b63829f9
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
@@ -261,6 +269,8 @@ def evaluate(
     if max_new_tokens is not None:
         sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
     ids = eval_prompt_ids(tokenizer, problems, prompt_fn, prompt_cfg)
+    check_context(ids, sampling.max_new_tokens, model_context(model), "evaluate: problems",
+                  ids=[_problem_id(p, i) for i, p in enumerate(problems)], what="student prompt")
     ro = eval_backend(backend, model, tokenizer, model_path, max(map(len, ids), default=0) + sampling.max_new_tokens,
                       seed, vllm_memory, batch_size or 64, progress)
     is_hf = type(ro).__name__ == "HFRollout"
@@ -281,6 +291,173 @@ def evaluate(
     bar.close()
     return pl.DataFrame(rows, schema=EVAL_ROW_SCHEMA)
 
+# %% ../nbs/07_eval.ipynb #f60ff9ff
+KEY_COLUMNS = ("key_data", "key_n", "key_k", "key_max_new_tokens", "key_temperature", "key_top_p", "key_top_k",
+               "key_grade", "key_extract", "key_prompt", "key_dtype", "key_base")
+BLOCK_COLUMNS = ("step", "seed", "split", "setting", "key_weights")  # one block: one checkpoint, one seed, one setting
+
+
+def _sha(obj) -> str:
+    "16 hex digits of the sha256 of an object's canonical JSON."
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def data_hash(problems: Sequence[dict]) -> str:
+    "16 hex digits of the sha256 of the problems' content (id, problem, answer, in order), not of their file's path."
+    _check_problems(problems)
+    return _sha([[_problem_id(p, i), str(p["problem"]), str(p["answer"])] for i, p in enumerate(problems)])
+
+
+_FINGERPRINTS: dict = {}  # (path, files' names/sizes/mtimes) -> fingerprint: a base is hashed once per process
+
+
+def _fingerprint(path: Path) -> str:
+    "`opsd.repro.weights_fingerprint` of a folder or file, cached while its files are unchanged."
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    stamp = (str(path.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if stamp not in _FINGERPRINTS:
+        _FINGERPRINTS[stamp] = weights_fingerprint(path)
+    return _FINGERPRINTS[stamp]
+
+
+def checkpoint_fingerprint(checkpoint) -> str:
+    "Fingerprint of a checkpoint's LoRA weights (`weights_fingerprint` of its adapter_model.safetensors)."
+    a = adapter_dir(checkpoint)
+    if a is None:
+        raise FileNotFoundError(f"{checkpoint}: no LoRA adapter (adapter_config.json) in it or in a sub-folder")
+    f = a / "adapter_model.safetensors"
+    return _fingerprint(f if f.exists() else a)
+
+
+def base_fingerprint(model, model_path=None) -> str:
+    "Fingerprint of a base: its folder's weights when local, else its hub name, else (in memory only) its tensors."
+    import torch
+
+    name = str(model_path or getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    if name and Path(name).is_dir() and any(Path(name).glob("*.safetensors")):
+        return _fingerprint(Path(name))
+    if name:
+        return f"name:{name}"
+    h = hashlib.sha256()
+    for k, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return "memory:" + h.hexdigest()[:16]
+
+
+def _callable_name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def eval_key(
+    problems: Sequence[dict],  # the evaluation problems
+    prompt_ids: list[list[int]],  # their prompts as the model sees them (wording, template, tokenizer)
+    k: int,  # samples per problem
+    sampling,  # the `SamplingConfig` in force (its max_new_tokens is the budget; its seed is not part of the key)
+    grade_mode: str,  # "exact" or "math"
+    dtype,  # the base model's dtype
+    base: str,  # `base_fingerprint` of the base
+    extract_fn: Callable = last_boxed,  # the answer extractor
+) -> dict:
+    "Every key_* field of an evaluation setting and `setting`, their hash (the seed and checkpoint are keyed apart)."
+    key = dict(key_data=data_hash(problems), key_n=len(problems), key_k=int(k),
+               key_max_new_tokens=int(sampling.max_new_tokens), key_temperature=float(sampling.temperature),
+               key_top_p=float(sampling.top_p), key_top_k=int(sampling.top_k or 0), key_grade=grade_mode,
+               key_extract=_callable_name(extract_fn), key_prompt=_sha(prompt_ids),
+               key_dtype=str(dtype).removeprefix("torch."), key_base=base)
+    return dict(setting=_sha(key), **key)
+
+# %% ../nbs/07_eval.ipynb #a81decb8
+def _block_id(row: dict) -> tuple:
+    return tuple(row.get(c) for c in BLOCK_COLUMNS)
+
+
+def scan_eval(rows: list[dict]) -> dict:
+    "Sort eval rows into complete blocks (first copy of each sample kept), incomplete blocks and rows without a key."
+    groups, unkeyed = {}, []
+    for i, r in enumerate(rows):
+        if r.get("setting") is None or r.get("block_rows") is None:
+            unkeyed.append(i)
+        else:
+            groups.setdefault(_block_id(r), []).append(i)
+    keep, done, dropped, dups = set(unkeyed), set(), 0, 0
+    for bid, idx in groups.items():
+        first = {}
+        for i in idx:
+            first.setdefault((rows[i].get("problem_id"), rows[i].get("sample")), i)
+        if len(first) == rows[idx[0]]["block_rows"]:
+            done.add(bid); keep.update(first.values()); dups += len(idx) - len(first)
+        else:
+            dropped += len(idx)
+    return dict(rows=[r for i, r in enumerate(rows) if i in keep], done=done, unkeyed=len(unkeyed), dropped=dropped,
+                duplicates=dups)
+
+
+def _ends_torn(path: Path) -> bool:
+    "Whether a non-empty file's last byte is not a newline (a write was cut)."
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
+
+
+_TOLD: set = set()  # eval.jsonl files whose unkeyed rows were already reported (once per process)
+
+
+def repair_eval(run_dir) -> set:
+    "Drop incomplete blocks, torn lines and repeated samples from a run's eval.jsonl (atomic); the done blocks' ids."
+    path = RunDir(run_dir).eval_path
+    if not path.exists():
+        return set()
+    torn = _ends_torn(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the torn last line is reported below, with what is done about it
+        rows = jsonl_rows(path)
+    s = scan_eval(rows)
+    if s["dropped"] or s["duplicates"] or torn:
+        rewrite_jsonl(path, s["rows"])
+        print(f"[opsd eval] {path}: removed {s['dropped']} rows of incomplete blocks, {s['duplicates']} repeated rows"
+              f"{' and a torn last line' if torn else ''} (an interrupted write); those blocks are evaluated again",
+              file=sys.stderr, flush=True)
+    if s["unkeyed"] and str(path) not in _TOLD:
+        _TOLD.add(str(path))
+        print(f"[opsd eval] {path}: {s['unkeyed']} rows carry no evaluation key (an older opsd wrote them): they are "
+              "kept but never reused, so every step is evaluated again", file=sys.stderr, flush=True)
+    return s["done"]
+
+# %% ../nbs/07_eval.ipynb #30122422
+SETTINGS_MODES = ("latest", "all")
+
+
+def current_eval(
+    frame: pl.DataFrame,  # eval rows (of one or more runs)
+    settings: str = "latest",  # "latest": per (run, split) the setting of the last complete block; "all": every one
+) -> pl.DataFrame:
+    "The rows a summary counts: complete blocks, one setting per (run, split), the latest weights per step, no repeats."
+    if settings not in SETTINGS_MODES:
+        raise ValueError(f"settings must be one of {SETTINGS_MODES}, got {settings!r}")
+    if frame.height == 0:
+        return frame
+    f = frame.with_row_index("_row")
+    where = [c for c in ("run", "split") if c in f.columns]
+    over = lambda e, by: e.over(by) if by else e
+    if "setting" in f.columns and "block_rows" in f.columns and "problem_id" in f.columns:
+        block = [c for c in ("run", *BLOCK_COLUMNS) if c in f.columns]
+        sample = pl.struct("problem_id", "sample") if "sample" in f.columns else pl.col("problem_id")
+        f = f.filter(pl.col("block_rows").is_null() | (over(sample.n_unique(), block) >= pl.col("block_rows")))
+        if settings == "latest" and f.height:
+            f = f.filter(pl.col("setting").eq_missing(over(pl.col("setting").sort_by("_row").last(), where)))
+    if "key_weights" in f.columns and "step" in f.columns and f.height:
+        by = where + [c for c in ("step", "seed", "setting") if c in f.columns]
+        f = f.filter(pl.col("key_weights").eq_missing(over(pl.col("key_weights").sort_by("_row").last(), by)))
+    if "sample" in f.columns:
+        f = f.unique([c for c in ("run", "step", "seed", "split", "setting", "problem_id", "sample") if c in f.columns],
+                     keep="last", maintain_order=True)
+    return f.drop("_row")
+
 # %% ../nbs/07_eval.ipynb #29ee4473
 def _majority_correct(preds: list, correct: list) -> bool:
     "Correctness of the majority answer among one problem's samples."
@@ -295,6 +472,7 @@ def summarize_eval(
     frame: pl.DataFrame,  # sample rows (columns problem_id, sample, pred, correct, plus the `by` columns)
     by: Sequence[str] | None = None,  # group columns; None = those of run, step, seed, split present
     ks: Sequence[int] = (),  # extra pass@j columns
+    settings: str = "latest",  # rows counted (`current_eval`): "latest" setting per run and split, or "all" (by setting)
 ) -> pl.DataFrame:
     "avg@k, pass@k and majority accuracy per group of sample rows."
     need = {"problem_id", "pred", "correct"}
@@ -307,6 +485,9 @@ def summarize_eval(
     missing = set(by) - set(frame.columns)
     if missing:
         raise ValueError(f"summarize_eval: group columns {sorted(missing)} not in frame")
+    frame = current_eval(frame, settings)
+    if settings == "all" and "setting" in frame.columns and "setting" not in by:
+        by.append("setting")
     per_problem = (
         frame.group_by(by + ["problem_id"], maintain_order=True)
         .agg(n=pl.len(), c=pl.col("correct").cast(pl.Int64).sum(), preds=pl.col("pred"), corr=pl.col("correct"))
@@ -347,11 +528,19 @@ def seed_table(
     return pl.DataFrame(rows).sort(by) if by else pl.DataFrame(rows)
 
 # %% ../nbs/07_eval.ipynb #db0938a0
-def _done_keys(run: RunDir) -> set:
-    "(step, seed, split) triples already in a run's eval.jsonl (a torn last line is skipped: its key is redone)."
-    if not run.eval_path.exists():
-        return set()
-    return {(r["step"], r["seed"], r["split"]) for r in jsonl_rows(run.eval_path)}
+def _unique_ids(problems) -> list[str]:
+    "The problems' ids (they key the rows); a repeated id is an error naming it."
+    ids = [_problem_id(p, i) for i, p in enumerate(problems)]
+    dup = [i for i, c in Counter(ids).items() if c > 1]
+    if dup:
+        raise ValueError(f"evaluation problems: id {dup[0]!r} appears {Counter(ids)[dup[0]]} times; "
+                         "ids must be unique (they key the eval rows)")
+    return ids
+
+
+def _drop_block(run: RunDir, bid: tuple) -> None:
+    "Remove one block's rows from eval.jsonl (atomic): a re-evaluation replaces it."
+    rewrite_jsonl(run.eval_path, [r for r in jsonl_rows(run.eval_path) if _block_id(r) != bid])
 
 
 def sweep_checkpoints(
@@ -364,15 +553,15 @@ def sweep_checkpoints(
     split: str = "test",  # label written to each row
     steps: Sequence[int] | None = None,  # checkpoint steps to evaluate; None = all
     include_base: bool = True,  # also evaluate the base model as step 0
-    skip_done: bool = True,  # skip (step, seed, split) already in eval.jsonl
+    skip_done: bool = True,  # skip blocks already complete in eval.jsonl with the same key (else evaluate them again)
     backend="auto",  # 'auto' | 'hf' | 'vllm', or a rollout object (one engine serves every checkpoint)
     max_new_tokens: int | None = None,  # completion budget
-    model_path=None,  # local base-model folder (vLLM; default: the base model's config._name_or_path)
+    model_path=None,  # local base-model folder (vLLM, fingerprint; default: the base model's config._name_or_path)
     vllm_memory: float = 0.5,  # vLLM's GPU memory share
     progress: bool = True,  # bars and one timing line per (step, seed)
     **eval_kw,  # passed to `evaluate` (sampling, grade_mode, batch_size, prompt_fn, ...)
 ) -> pl.DataFrame:
-    "Evaluate the base and each checkpoint of a run with one rollout backend, appending rows to run_dir/eval.jsonl."
+    "Evaluate the base and each checkpoint of a run, one keyed block per (step, seed) appended to run_dir/eval.jsonl."
     from tqdm.auto import tqdm
 
     run = RunDir(run_dir)
@@ -385,44 +574,89 @@ def sweep_checkpoints(
             raise ValueError(f"sweep_checkpoints: no checkpoint for steps {missing} in {run.checkpoints_dir}")
         ckpts = [(s, p) for s, p in ckpts if s in set(steps)]
     targets = ([(0, None)] if include_base else []) + ckpts
-    done = _done_keys(run) if skip_done else set()
-    targets = [(s, a, [sd for sd in seeds if (s, sd, split) not in done]) for s, a in targets]
-    targets = [t for t in targets if t[2]]
     if not targets:
         return pl.DataFrame()
+    if len(problems) == 0:
+        raise ValueError(f"sweep_checkpoints: no problems to evaluate {run.path} on")
     _check_problems(problems)
+    pids = _unique_ids(problems)
     sampling = eval_kw.pop("sampling", None) or default_eval_sampling(0)
-    budget = max_new_tokens or sampling.max_new_tokens
+    if max_new_tokens is not None:
+        sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
     ids = eval_prompt_ids(tokenizer, problems, eval_kw.get("prompt_fn"), eval_kw.get("prompt_cfg"))
-    ro = eval_backend(backend, base_model, tokenizer, model_path, max(map(len, ids)) + budget, seeds[0], vllm_memory,
-                      eval_kw.get("batch_size") or 64, progress)
+    check_context(ids, sampling.max_new_tokens, model_context(base_model),
+                  getattr(problems, "source", None) or f"evaluation problems of {run.path}", ids=pids,
+                  what="student prompt")
+    key = eval_key(problems, ids, k, sampling, eval_kw.get("grade_mode", "exact"), getattr(base_model, "dtype", None),
+                   base_fingerprint(base_model, model_path), eval_kw.get("extract_fn", last_boxed))
+    weights = {s: key["key_base"] if a is None else checkpoint_fingerprint(a) for s, a in targets}
     frames = []
-    for step, adapter, todo in tqdm(targets, desc=f"{name} checkpoints", unit="ckpt", disable=not progress):
-        t0 = time.perf_counter()
-        model = base_model if adapter is None else with_adapter(base_model, adapter)
-        model.eval()
-        try:
-            ro.sync_weights(model)  # HF: generate with this model; vLLM: load its merged weights into the one engine
-            t_load = time.perf_counter() - t0
-            for seed in todo:
-                t1 = time.perf_counter()
-                fr = evaluate(model, tokenizer, problems, k=k, seed=seed, backend=ro, sampling=sampling,
-                              max_new_tokens=max_new_tokens, progress=progress, **eval_kw)
-                secs = time.perf_counter() - t1
-                keys = {"run": name, "step": step, "seed": seed, "split": split}
-                run.append_eval([{**keys, **r} for r in fr.iter_rows(named=True)])
-                frames.append(fr.select(pl.lit(name).alias("run"), pl.lit(step).alias("step"),
-                                        pl.lit(seed).alias("seed"), pl.lit(split).alias("split"), pl.all()))
-                if progress:
-                    ntok = int(fr["completion_len"].sum())
-                    print(f"[opsd eval] {name} step {step} seed {seed}: {fr.height} samples, "
-                          f"{ntok} tokens in {secs:.1f} s "
-                          f"({ntok / secs:,.0f} tok/s; weights {t_load:.2f} s), avg@{k} {fr['correct'].mean():.3f}",
-                          flush=True)
-        finally:
-            if adapter is not None:
-                base_model = model.unload()
+    with folder_lock(run.eval_path, "the evaluation log", wait=True):  # one writer of eval.jsonl at a time
+        done = repair_eval(run.path)
+        todo = [(s, a, [sd for sd in seeds if not (skip_done and (s, sd, split, key["setting"], weights[s]) in done)])
+                for s, a in targets]
+        todo = [t for t in todo if t[2]]
+        if not todo:
+            return pl.DataFrame()
+        ro = eval_backend(backend, base_model, tokenizer, model_path, max(map(len, ids)) + sampling.max_new_tokens,
+                          seeds[0], vllm_memory, eval_kw.get("batch_size") or 64, progress)
+        for step, adapter, sds in tqdm(todo, desc=f"{name} checkpoints", unit="ckpt", disable=not progress):
+            t0 = time.perf_counter()
+            model = base_model if adapter is None else with_adapter(base_model, adapter)
+            model.eval()
+            try:
+                ro.sync_weights(model)  # HF: generate with this model; vLLM: load its merged weights into the one engine
+                t_load = time.perf_counter() - t0
+                for seed in sds:
+                    t1 = time.perf_counter()
+                    fr = evaluate(model, tokenizer, problems, k=k, seed=seed, backend=ro, sampling=sampling,
+                                  progress=progress, **eval_kw)
+                    secs = time.perf_counter() - t1
+                    head = {"run": name, "step": step, "seed": seed, "split": split}
+                    tail = {**key, "key_weights": weights[step], "block_rows": len(problems) * k}
+                    bid = (step, seed, split, key["setting"], weights[step])
+                    if bid in done:  # skip_done=False: the new block replaces the old one
+                        _drop_block(run, bid)
+                    run.append_eval([{**head, **r, **tail} for r in fr.iter_rows(named=True)])  # one write per block
+                    frames.append(fr.select(*[pl.lit(v).alias(c) for c, v in head.items()], pl.all(),
+                                            *[pl.lit(v).alias(c) for c, v in tail.items()]))
+                    if progress:
+                        ntok = int(fr["completion_len"].sum())
+                        print(f"[opsd eval] {name} step {step} seed {seed}: {fr.height} samples, "
+                              f"{ntok} tokens in {secs:.1f} s ({ntok / secs:,.0f} tok/s; weights {t_load:.2f} s), "
+                              f"avg@{k} {fr['correct'].mean():.3f}", flush=True)
+            finally:
+                if adapter is not None:
+                    base_model = model.unload()
     return pl.concat(frames)
+
+
+def _run_folder(path) -> RunDir:
+    "A run folder that exists and holds a config, else a one-line error naming it."
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such run folder")
+    if not p.is_dir():
+        raise NotADirectoryError(f"{p}: not a run folder (it is a file)")
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{p}: not a run folder (no config.json); give a folder that `opsd train` wrote")
+    return RunDir(p)
+
+
+def _check_model_path(path: str) -> None:
+    "A base model given as a local path must be a folder with a config.json (hub names go to from_pretrained)."
+    p = Path(path).expanduser()
+    parts = path.split("/")
+    local = (p.exists() or path.startswith(("/", ".", "~")) or len(parts) > 2
+             or (len(parts) == 2 and Path(parts[0]).expanduser().is_dir()))
+    if not local:
+        return
+    if not p.exists():
+        raise FileNotFoundError(f"{path}: no such base model folder")
+    if not p.is_dir():
+        raise NotADirectoryError(f"{path}: not a base model folder (it is a file)")
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a base model folder (no config.json)")
 
 
 def eval_runs(
@@ -445,32 +679,38 @@ def eval_runs(
     from opsd.data import PromptConfig
     from opsd.runs import read_eval
 
-    runs = [RunDir(rd) for rd in run_dirs]
-    if not runs:
+    if not run_dirs:
         raise ValueError("eval_runs: no run folders")
+    runs = [_run_folder(rd) for rd in run_dirs]  # every folder checked before any model is loaded
     cfgs = [r.read_config() for r in runs]
+    if model_path is None and not cfgs[0].get("model"):
+        raise ValueError(f"{runs[0].config_path}: no 'model' field (the base model); pass model_path")
     path = str(model_path or cfgs[0].get("model"))
     others = {c.get("model") for c in cfgs} - {cfgs[0].get("model")}
     if model_path is None and others:
         models = sorted(map(str, others | {cfgs[0].get('model')}))
         raise ValueError(f"eval_runs: the runs use different base models ({models}): "
                          "evaluate them in separate calls")
+    _check_model_path(path)
     from opsd.rollout import resolve_backend
 
     name = backend if isinstance(backend, str) else None
     dev = "cuda" if name is not None and resolve_backend(name) == "vllm" else None
     base, tok = load_model(path, dtype or cfgs[0].get("dtype", "bfloat16"), device=dev)
     ro = backend
+    budget = max_new_tokens or (eval_kw.get("sampling") or default_eval_sampling()).max_new_tokens
     for r, cfg in zip(runs, cfgs):
         probs = problems(cfg) if callable(problems) else problems
         pc = prompt_cfg(cfg) if callable(prompt_cfg) else (prompt_cfg or PromptConfig(**(cfg.get("prompt") or {})))
+        _check_problems(probs)
+        ids = eval_prompt_ids(tok, probs, None, pc)
+        check_context(ids, budget, model_context(base), getattr(probs, "source", None) or f"evaluation problems of "
+                      f"{r.path}", ids=_unique_ids(probs), what="student prompt")  # before an engine is built
         if isinstance(ro, str):
-            ids = eval_prompt_ids(tok, probs, None, pc)
-            budget = max_new_tokens or (eval_kw.get("sampling") or default_eval_sampling()).max_new_tokens
             ro = eval_backend(ro, base, tok, path, max(map(len, ids)) + budget, seeds[0], vllm_memory,
                               eval_kw.get("batch_size") or 64, progress)
         sweep_checkpoints(r.path, base, tok, probs, k=k, seeds=seeds, steps=steps, backend=ro,
-                          max_new_tokens=max_new_tokens,
+                          max_new_tokens=max_new_tokens, model_path=path,
                           progress=progress, grade_mode=grade_mode, prompt_cfg=pc, **eval_kw)
     rows = pl.concat([read_eval(r.path) for r in runs], how="diagonal_relaxed")
     return summarize_eval(rows)

@@ -354,7 +354,7 @@ def test_backends_on_cpu(tiny):
     c = evaluate(model, tok, PROBLEMS, k=1, sampling=_greedy(20), extract_fn=RAW, max_new_tokens=3)
     assert max(c["completion_len"].to_list()) <= 3  # max_new_tokens replaces the sampling budget
     with pytest.raises(RuntimeError, match="rollout='hf'"):
-        evaluate(model, tok, PROBLEMS, backend="vllm")
+        evaluate(model, tok, PROBLEMS, backend="vllm", max_new_tokens=4)
 
 
 def test_eval_runs_one_backend(tiny, tmp_path):
