@@ -4,24 +4,27 @@
 
 # %% ../nbs/11_cli.ipynb #418ffdf1
 from __future__ import annotations
-import argparse, dataclasses, json, sys
+import argparse, dataclasses, errno, json, os, sys
 from pathlib import Path
 
 import polars as pl
 
+from .repro import pin_numerics
 from .loss import CLIP_MODES
 from .collate import PAD_MODES
 from .train import OPSDConfig, OPSDTrainer
 from .runs import load_model
 from .train import TEACHER_MODES, SCHEDULERS, ROLLOUTS, OBJECTIVES, NORMALIZE, EMA_STARTS, DTYPES
 from .runs import read_metrics, read_config
+from .data import check_out_folder, load_problems
 from .eval import grade, eval_runs
 from .worlds import resolve_world, WORLDS
 from .demo import parse_set
 
 # %% auto #0
-__all__ = ['CONFIG_CHOICES', 'TRAIN_FLAGS', 'PRESETS', 'add_config_flags', 'config_from_args', 'cmd_train', 'cmd_eval',
-           'cmd_report', 'cmd_padding', 'parser', 'main']
+__all__ = ['CONFIG_CHOICES', 'TRAIN_FLAGS', 'PRESETS', 'USER_ERRORS', 'DISK_FULL', 'add_config_flags', 'read_config_file',
+           'parse_set_items', 'config_from_args', 'cmd_train', 'cmd_eval', 'cmd_report', 'cmd_padding', 'parser',
+           'is_user_error', 'error_line', 'main']
 
 # %% ../nbs/11_cli.ipynb #c4fbac5c
 # the allowed values of config fields: the config's own constants, not a second list
@@ -52,17 +55,46 @@ def add_config_flags(p, # an argparse (sub)parser
 # %% ../nbs/11_cli.ipynb #b05015dc
 PRESETS = ("world", "released", "toy")  # `--preset`: the world's (default), the released recipe, the toy's CPU preset
 
+def _yaml_problem(e) -> str:
+    "What a YAML parser error says, in one phrase."
+    return " ".join(str(getattr(e, "problem", None) or e).split())
+
+def read_config_file(path) -> dict:
+    "The mapping of config fields in a `--config` YAML file; a one-line error naming the file (and line) otherwise."
+    import yaml
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--config {path}: " + ("is a folder; give a YAML file" if p.is_dir() else "no such file"))
+    try: d = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError: raise ValueError(f"--config {path}: not a text file (expected YAML)") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f"line {mark.line + 1}: " if mark is not None else ""
+        raise ValueError(f"{path}: {line}not valid YAML ({_yaml_problem(e)})") from None
+    if d is None: return {}
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a mapping of config fields (key: value lines), got {type(d).__name__}")
+    return d
+
+def parse_set_items(items) -> dict:
+    "`--set KEY=VALUE` items as a dict (`opsd.demo.parse_set`); a malformed item is a one-line error naming it."
+    import yaml
+    out = {}
+    for it in items or []:
+        try: out.update(parse_set([it]))
+        except yaml.YAMLError as e: raise ValueError(f"--set {it!r}: the value is not valid YAML "
+                                                     f"({_yaml_problem(e)})") from None
+        except ValueError as e: raise ValueError(f"--set {it!r}: {e}") from None
+    return out
+
 def config_from_args(a) -> OPSDConfig:
     "The resolved config of `opsd train` arguments: preset, then the YAML file, then flags and --set."
-    import yaml
     over = {k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k, None) is not None}
-    over.update(parse_set(getattr(a, "set", None)))
+    over.update(parse_set_items(getattr(a, "set", None)))
     unknown = sorted(set(over) - {f.name for f in dataclasses.fields(OPSDConfig)})
     if unknown: raise ValueError(f"command line: unknown config field(s) {unknown}")
     path = getattr(a, "config", None)
-    file = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
-    if not isinstance(file, dict):
-        raise ValueError(f"{path}: expected a mapping of config fields, got {type(file).__name__}")
+    file = read_config_file(path) if path else {}
     preset = getattr(a, "preset", None) or "world"
     if preset not in PRESETS: raise ValueError(f"--preset must be one of {PRESETS}, got {preset!r}")
     model = over.get("model") or file.get("model") or ("toy" if preset == "toy" else OPSDConfig().model)
@@ -75,10 +107,14 @@ def config_from_args(a) -> OPSDConfig:
 def cmd_train(a) -> Path:
     "`opsd train`: one run of the resolved config on its world's problems."
     cfg = config_from_args(a)
+    # every input is checked before the long work (building a toy base, converting or loading a model)
+    check_out_folder(cfg.run_dir, "run folder")
     w = resolve_world(cfg.model, data=cfg.data)
-    problems = w.problems(w.n_train, seed=cfg.seed, split="train")
+    w.check_model()
+    prompt_cfg = w.prompt_config(cfg.prompt)
+    problems = w.problems(w.n_train, seed=cfg.seed, split="train")  # reads and validates --data
     tr = OPSDTrainer(cfg, problems, model_path=w.path, grader=lambda t, ans: grade(t, ans, mode=w.grade_mode),
-                     prompt_config=w.prompt_config(cfg.prompt), progress=not a.quiet)
+                     prompt_config=prompt_cfg, progress=not a.quiet)
     try: run = tr.fit(resume=not a.fresh)
     except KeyboardInterrupt:
         print(f"[opsd] interrupted at step {tr.step_done}; resume with the same command"); raise SystemExit(130)
@@ -94,12 +130,23 @@ def cmd_train(a) -> Path:
 def cmd_eval(a):
     "`opsd eval`: the runs grouped by world, each group through `opsd.eval.eval_runs` (one rollout engine per base)."
     groups = {}
-    for rd in a.runs:
+    for rd in a.runs:  # every folder checked before any model is loaded
+        p = Path(rd)
+        if not p.is_dir():
+            raise FileNotFoundError(f"run folder {rd}: " + ("is a file, not a run folder" if p.exists() else
+                                                            "no such folder"))
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"run folder {rd}: no config.json (not a run folder written by `opsd train`)")
+        check_out_folder(p, "run folder")  # eval.jsonl is written there
         c = read_config(rd)
         groups.setdefault((c["model"], a.data or c.get("data")), []).append(rd)
+    worlds = {key: resolve_world(key[0], data=key[1]) for key in groups}
+    for (model, data), rds in groups.items():
+        worlds[model, data].check_model(what=f"run folder {rds[0]}: its model")
+        if data is not None: load_problems(data)  # a typo in --data (or a moved file): one line, now
     out = []
     for (model, data), rds in groups.items():
-        w = resolve_world(model, data=data)
+        w = worlds[model, data]
         ev = w.eval
         n, k = a.n or ev["n"], a.k or ev["k"]
         problems = lambda cfg, w=w, n=n: w.problems(n, seed=10_000 + cfg.get("seed", 0), split="test")[:n]
@@ -112,6 +159,7 @@ def cmd_eval(a):
 
 # %% ../nbs/11_cli.ipynb #25e930d1
 def cmd_report(a):
+    "`opsd report`: the HTML report of run folders (runs that share a name are labelled by their folders)."
     from opsd.report import write_report
     out = write_report(a.runs, a.out, png=not a.no_png)
     print(f"[opsd] report: {out}")
@@ -147,7 +195,9 @@ def _add_analyze(sub):
 # %% ../nbs/11_cli.ipynb #3d8c7003
 def parser() -> argparse.ArgumentParser:
     "The `opsd` argument parser: one subcommand per job."
-    p = argparse.ArgumentParser(prog="opsd", description="Run, instrument and explain On-Policy Self-Distillation.")
+    p = argparse.ArgumentParser(prog="opsd", description="Run, instrument and explain On-Policy Self-Distillation.",
+                                epilog="Bad input is reported in one line (exit code 2); OPSD_TRACEBACK=1 shows the "
+                                "traceback of every error.")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = add_demo_args(sub.add_parser("demo", help="the main job: OPSD per clip mode over seeds (toy world by default, "
                                      "or --model smollm2), held-out accuracy with intervals, report"))
@@ -188,12 +238,64 @@ def parser() -> argparse.ArgumentParser:
     _add_analyze(sub)
     return p
 
+# bad input: these types, raised by opsd with a message (or by the OS about a path), are one line and exit code 2
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError,
+               RuntimeError, KeyError, ImportError)
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_OPSD_DIR = Path(sys.modules["opsd"].__file__).resolve().parent  # opsd's own source files
+
+def _raised_in_opsd(e: BaseException) -> bool:
+    "Whether a `raise` statement in opsd's own code raised it (not a failed lookup or a library's check: a bug)."
+    import linecache
+    tb, last = e.__traceback__, None
+    while tb is not None: last, tb = tb, tb.tb_next
+    if last is None: return False
+    file = last.tb_frame.f_code.co_filename
+    return Path(file).resolve().parent == _OPSD_DIR and "raise " in linecache.getline(file, last.tb_lineno)
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str): return e.args[0]
+    if isinstance(e, OSError) and e.filename is not None and e.strerror: return f"{e.filename}: {e.strerror}"
+    return str(e)
+
+def is_user_error(e: BaseException) -> bool:
+    "Whether `opsd` reports an exception as bad input (one line) rather than as a bug (its traceback)."
+    if isinstance(e, OSError) and e.errno in DISK_FULL: return True
+    if not isinstance(e, USER_ERRORS) or not _message(e).strip(): return False
+    c = e.__cause__
+    if c is not None and not (isinstance(c, OSError) and c.errno in DISK_FULL) and not isinstance(c, USER_ERRORS):
+        return False  # an opsd message over a bug underneath (e.g. a failed rollout): the traceback shows it
+    return (isinstance(e, OSError) and e.filename is not None) or _raised_in_opsd(e)
+
+def error_line(e: BaseException) -> str:
+    "The one-line message of a user error (the cause added when the message does not already say it)."
+    msg, c = _message(e), e.__cause__
+    if c is not None and _message(c) not in msg: msg += f" ({type(c).__name__}: {_message(c)})"
+    if isinstance(e, OSError) and e.errno in DISK_FULL and "disk" not in msg.lower():
+        msg += " (the disk is full: free space, then run the same command again)"
+    return " ".join(line.strip() for line in msg.splitlines() if line.strip())
+
+def _check_args(a):
+    "Checks of any command's arguments before its work: `--out` not a file, `opsd demo --set` items well-formed."
+    if getattr(a, "out", None): check_out_folder(a.out, "--out")
+    if a.cmd == "demo":
+        parse_set_items(a.set)
+        w = resolve_world(a.model, data=a.data)
+        w.check_model()
+        if a.data is not None and w.kind != "toy": load_problems(a.data)
+
 def main(argv=None):
-    "The `opsd` console script."
+    "The `opsd` console script: bad input is one line `opsd: error: ...` and exit code 2; a bug keeps its traceback."
+    pin_numerics()  # before torch's first CPU operation (opsd.repro): the same arithmetic on every x86 machine
     a = parser().parse_args(argv)
-    try: a.fn(a)
-    except (ValueError, FileNotFoundError, ImportError) as e:  # bad input, a missing file or package: one clear line
-        print(f"opsd {a.cmd}: error: {e}", file=sys.stderr); raise SystemExit(2)
+    try:
+        _check_args(a)
+        return a.fn(a)
+    except KeyboardInterrupt:
+        print(f"opsd {a.cmd}: interrupted", file=sys.stderr); raise SystemExit(130)
+    except Exception as e:
+        if os.environ.get("OPSD_TRACEBACK", "") not in ("", "0") or not is_user_error(e): raise
+        print(f"opsd: error: {error_line(e)}", file=sys.stderr); raise SystemExit(2)
 
 # %% ../nbs/11_cli.ipynb #1c5f8c16
 # `python -m opsd.cli` (accelerate launch) runs the command; notebooks importing the module do not

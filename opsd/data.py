@@ -15,7 +15,7 @@ __all__ = ['QWEN3_CHAT_TEMPLATE', 'QWEN3_ADDED_TOKENS', 'QWEN3_FIRST_ADDED_ID', 
            'QWEN3_PAT_STR', 'RELEASED_GUARD', 'user_cache_dir', 'qwen3_tokenizer', 'PromptConfig', 'student_user_text',
            'teacher_user_text', 'student_prompt', 'teacher_prompt', 'prompt_ids', 'student_prompt_ids',
            'teacher_prompt_ids', 'build_prompts', 'last_boxed', 'Problems', 'InvalidRow', 'load_problems',
-           'model_context', 'check_context']
+           'model_context', 'check_context', 'check_out_folder']
 
 # %% ../nbs/03_data.ipynb #be7e92f0
 QWEN3_CHAT_TEMPLATE = (
@@ -376,3 +376,23 @@ def check_context(prompt_ids:list[list[int]], # token ids of each prompt
     raise ValueError(f"{where}: {len(over)} of {len(prompt_ids)} {what}s do not fit the model's context of {limit} "
                      f"tokens with {budget} completion tokens (longest: row {name!r}, {len(prompt_ids[worst])} "
                      f"{what} tokens); shorten or drop them, or lower max_new_tokens")
+
+# %% ../nbs/03_data.ipynb #afd6815b
+def check_out_folder(path:str|Path, # a folder opsd will create or write into
+                     what:str="output folder", # names it in the message ('run folder', '--out', ...)
+                    )->Path:
+    "Refuse, before anything is written, a folder path that is a file, lies under a file or cannot be written."
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise NotADirectoryError(f"{what} {p}: is a file, not a folder; give a folder path (or move the file away)")
+    for parent in p.parents:  # nearest first: the first one that exists decides
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"{what} {p}: {parent} is a file, so no folder can be made under it; "
+                                         "give another path")
+            if not p.exists() and not os.access(parent, os.W_OK | os.X_OK):
+                raise PermissionError(f"{what} {p}: cannot create it, {parent} is not writable")
+            break
+    if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):
+        raise PermissionError(f"{what} {p}: the folder is not writable")
+    return p

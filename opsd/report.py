@@ -9,6 +9,7 @@ import datetime
 import html
 import json
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
@@ -16,12 +17,13 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import polars as pl
 
+from .data import check_out_folder
 from .eval import summarize_eval
 from . import plots
 
 # %% auto #0
 __all__ = ['eval_summary', 'run_summary', 'report_figures', 'find_chrome', 'write_pngs', 'token_view_fragment',
-           'report_from_frames', 'load_run', 'write_report']
+           'report_from_frames', 'load_run', 'unique_run_labels', 'write_report']
 
 # %% ../nbs/10_report.ipynb #997c2d22
 _CONFIG_KEYS = ("clip", "tau", "beta")
@@ -304,7 +306,7 @@ def report_from_frames(
     token_views: Sequence[str | Path] | None = None,  # token-view pages (opsd.analyze's token_view.html) to embed
 ) -> Path:
     "Write a self-contained HTML report (plotly.js inlined once) and PNGs of its figures; returns index.html."
-    out_dir = Path(out_dir)
+    out_dir = check_out_folder(out_dir, "report folder")  # a file in the way: one line, before any work
     out_dir.mkdir(parents=True, exist_ok=True)
     if metrics is None or metrics.height == 0:  # e.g. only token views (an `opsd analyze --out` folder)
         table, figs = pl.DataFrame({"run": []}, schema={"run": pl.String}), {}
@@ -364,7 +366,8 @@ def load_run(
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ValueError(f"write_report: {run_dir} is not a run folder")
+        why = "a file" if run_dir.exists() else "no such folder"
+        raise ValueError(f"write_report: {run_dir} is not a run folder ({why})")
     cfg_path = run_dir / "config.json"
     try:
         config = read_config(run_dir) if cfg_path.exists() else {}
@@ -393,6 +396,35 @@ def _concat(frames: list) -> pl.DataFrame | None:
     return pl.concat(frames, how="diagonal_relaxed") if frames else None
 
 
+def _label(name: str, folder: Path, k: int) -> str:
+    "A run's name with k parent folders in front (a/run), or with its folder's last k parts when the name is another."
+    if folder.name == name:
+        return "/".join([*folder.parts[-k - 1:-1], name])
+    return f"{name} ({'/'.join(folder.parts[-k:])})"
+
+
+def unique_run_labels(
+    names: Sequence[str],  # each run's name (its metrics' run column: the config's name, else the folder's name)
+    run_dirs: Sequence[str | Path],  # the run folders, in the same order
+) -> list[str]:
+    "One label per run: its name, or where folders share a name, the name with as many parent folders as tell them apart."
+    dirs = [Path(d).resolve() for d in run_dirs]
+    twice = [d for d, c in Counter(dirs).items() if c > 1]
+    if twice:
+        raise ValueError(f"write_report: the run folder {twice[0]} is given more than once")
+    labels, counts = list(names), Counter(names)
+    for name in [n for n in counts if counts[n] > 1]:
+        idx = [i for i, n in enumerate(names) if n == name]
+        others = {n for n in names if n != name}
+        for k in range(1, max(len(dirs[i].parts) for i in idx) + 1):
+            new = {i: _label(name, dirs[i], k) for i in idx}
+            if len(set(new.values())) == len(idx) and not set(new.values()) & others:
+                break
+        for i in idx:
+            labels[i] = new[i]
+    return labels
+
+
 def write_report(
     run_dirs: Sequence[str | Path] | str | Path,  # run folders (runs/<name>/)
     out_dir: str | Path,  # folder for index.html and figures/
@@ -406,12 +438,24 @@ def write_report(
         run_dirs = [run_dirs]
     if not run_dirs:
         raise ValueError("write_report: no run folders given")
+    check_out_folder(out_dir, "report folder")
     views = [Path(d) / _TOKEN_VIEW_FILE for d in run_dirs if (Path(d) / _TOKEN_VIEW_FILE).is_file()]
     view_only = {Path(d) for d in run_dirs
                  if (Path(d) / _TOKEN_VIEW_FILE).is_file() and not (Path(d) / "metrics.jsonl").exists()}
-    loaded = [load_run(d) for d in run_dirs if Path(d) not in view_only]
+    dirs = [d for d in run_dirs if Path(d) not in view_only]
+    loaded = [load_run(d) for d in dirs]
+    names = [m["run"][0] for m, _, _, _ in loaded]
+    labels = unique_run_labels(names, dirs)
+    if labels != names:  # runs that share a name: each keeps its own rows, under a label that names its folder
+        lit = lambda f, lab: f.with_columns(pl.lit(lab).alias("run")) if f is not None and f.height else f
+        loaded = [(lit(m, lab), lit(e, lab), lit(p, lab), c) for (m, e, p, c), lab in zip(loaded, labels)]
+        shared = sorted({n for n, lab in zip(names, labels) if n != lab})
+        note = "; ".join(f"{n!r} names {names.count(n)} run folders, shown as "
+                         + ", ".join(lab for m, lab in zip(names, labels) if m == n) for n in shared)
+        print(f"[opsd report] {note}")
+        tables = {**(tables or {}), "Runs that share a name": note}
     metrics = _concat([m for m, _, _, _ in loaded])
-    configs = {m["run"][0]: c for m, _, _, c in loaded}
+    configs = {lab: c for lab, (_, _, _, c) in zip(labels, loaded)}
     return report_from_frames(metrics, _concat([e for _, e, _, _ in loaded]), _concat([p for _, _, p, _ in loaded]),
                               configs, out_dir, title=title, png=png, show_replicates=show_replicates, tables=tables,
                               token_views=views)
