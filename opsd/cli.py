@@ -84,7 +84,7 @@ def parse_set_items(items) -> dict:
         try: out.update(parse_set([it]))
         except yaml.YAMLError as e: raise ValueError(f"--set {it!r}: the value is not valid YAML "
                                                      f"({_yaml_problem(e)})") from None
-        except ValueError as e: raise ValueError(f"--set {it!r}: {e}") from None
+        except ValueError as e: raise ValueError(str(e) if "--set" in str(e) else f"--set {it!r}: {e}") from None
     return out
 
 def config_from_args(a) -> OPSDConfig:

@@ -607,3 +607,42 @@ def test_report_of_a_real_training_run(tmp_path):
     assert sorted(set(ev["step"].to_list())) == [0, 1, 2]
     acc = next(d for d in figs["accuracy_test"][1].data if d.mode == "lines+markers")
     assert list(acc.y) == pytest.approx([ev.filter(pl.col("step") == s)["correct"].mean() for s in (0, 1, 2)])
+
+
+def test_report_keeps_real_runs_that_share_a_name_apart(tiny_ckpt, toy_problems, tmp_path, capsys):
+    """Two real `opsd.train` runs in sweep/lr1/run and sweep/lr2/run (both named 'run' by their folders): the report
+    shows two runs, labelled lr1/run and lr2/run, each with its own 2 steps and its own true KL, and says so.
+    Break: write_report without the relabelling (labels = names) -> one row 'run' with 4 steps, one config."""
+    import torch
+    from opsd.train import OPSDConfig, OPSDTrainer
+    from opsd.runs import read_metrics
+
+    torch.set_num_threads(1)
+    dirs = []
+    for sub, clip, lr in (("lr1", "entry", 1e-2), ("lr2", "none", 5e-2)):
+        cfg = OPSDConfig(model=str(tiny_ckpt), run_dir=str(tmp_path / "sweep" / sub / "run"), clip=clip, lr=lr,
+                         lora_r=2, lora_alpha=4, batch_size=2, micro_batch_size=2, steps=2, save_every=2,
+                         dtype="float32", max_completion_length=6, seed=0)
+        dirs.append(OPSDTrainer(cfg, toy_problems[:8], progress=False).fit())
+    ms = [read_metrics(d) for d in dirs]
+    assert set(ms[0]["run"]) == set(ms[1]["run"]) == {"run"}  # the trainer names both after their folder
+    index = report.write_report(dirs, tmp_path / "rep", png=False)
+    page = index.read_text()
+    assert "<summary>lr1/run</summary>" in page and "<summary>lr2/run</summary>" in page
+    assert "'run' names 2 run folders, shown as lr1/run, lr2/run" in capsys.readouterr().out
+    assert "Runs that share a name" in page
+    loaded = [report.load_run(d) for d in dirs]
+    labels = report.unique_run_labels([m["run"][0] for m, *_ in loaded], dirs)
+    assert labels == ["lr1/run", "lr2/run"]
+    table = report.run_summary(pl.concat([m.with_columns(pl.lit(lab).alias("run")) for (m, *_), lab
+                                          in zip(loaded, labels)], how="diagonal_relaxed"))
+    assert table["run"].to_list() == labels and table["steps"].to_list() == [2, 2]
+    for m, row in zip(ms, table.iter_rows(named=True)):  # each row is its own run's log, not a merge
+        assert row["clip"] == m["clip"][0] and row["kl_true_last"] == m["kl/true"][-1]
+    assert f"{ms[0]['kl/true'][0]:.4g} → {ms[0]['kl/true'][-1]:.4g}" in page
+    assert f"{ms[1]['kl/true'][0]:.4g} → {ms[1]['kl/true'][-1]:.4g}" in page
+    with pytest.raises(ValueError, match="given more than once"):
+        report.write_report([dirs[0], dirs[0]], tmp_path / "rep2", png=False)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError, match="afile: is a file"):
+        report.write_report(dirs, tmp_path / "afile", png=False)

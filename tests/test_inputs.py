@@ -1,0 +1,199 @@
+"""Every bad input of issue 19 through the real `opsd` command, in one table: input -> exit code 2 and one line
+`opsd: error: <message>` naming the field, file or folder, and nothing already written changed.
+
+Each row runs `opsd.cli.main(argv)` in this process (the real parser, checks and commands) against a copy of a real run
+folder (a tiny Qwen3 trained 2 steps by `opsd train`), and hashes every file under the row's folder before and after.
+"""
+import errno
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from opsd import cli
+from opsd.repro import NUMERIC_PINS
+
+SMALL = ["batch_size=2", "micro_batch_size=2", "max_completion_length=8", "lora_r=2", "dtype=float32"]
+
+
+def train_argv(c, *extra, sets=(), run=None, data=None, model=None):
+    "`opsd train` of the tiny model with the base run's settings, plus `extra` flags and `sets` --set items."
+    return ["train", "--model", str(model or c.ckpt), "--data", str(data or c.data), "--run-dir", str(run or c.run),
+            "--steps", "2", "--save-every", "1", "--quiet", *map(str, extra), "--set", *SMALL, *sets]
+
+
+def tree(folder: Path) -> dict:
+    "sha256 of every file under `folder` (lock files excluded: a refused writer may leave an empty lock beside)."
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.endswith(".lock")}
+
+
+@pytest.fixture(autouse=True)
+def _restore_numeric_pins(monkeypatch):
+    "main() pins the arithmetic in os.environ; keep this process's environment as it was for the tests after."
+    for k in NUMERIC_PINS:
+        if k in os.environ: monkeypatch.setenv(k, os.environ[k])
+        else: monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("OPSD_TRACEBACK", raising=False)
+
+
+@pytest.fixture(scope="module")
+def base_run(tiny_ckpt, toy_data_file, tmp_path_factory):
+    "A real run folder: `opsd train` of the tiny Qwen3, 2 steps, a checkpoint at each."
+    root = tmp_path_factory.mktemp("base")
+    c = SimpleNamespace(ckpt=tiny_ckpt, data=toy_data_file, run=root / "run")
+    saved = {k: os.environ.get(k) for k in NUMERIC_PINS}
+    try: cli.main(train_argv(c))
+    finally:
+        for k, v in saved.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+    assert (root / "run" / "checkpoints" / "step-2").is_dir()
+    return root / "run"
+
+
+@pytest.fixture
+def ctx(base_run, tiny_ckpt, toy_data_file, tmp_path):
+    "A row's folder: a copy of the real run, a plain file, the data file and the tiny model's folder."
+    shutil.copytree(base_run, tmp_path / "run")
+    (tmp_path / "afile").write_text("a plain file, not a folder\n")
+    return SimpleNamespace(tmp=tmp_path, run=tmp_path / "run", file=tmp_path / "afile", ckpt=tiny_ckpt,
+                           data=toy_data_file)
+
+
+def write(c, name, text):
+    (c.tmp / name).write_text(text)
+    return c.tmp / name
+
+
+def _base_moved_away(c):
+    "The run's base model folder is gone (moved or deleted since training)."
+    cfg = json.loads((c.run / "config.json").read_text())
+    cfg["model"] = str(c.tmp / "moved-away-model")
+    (c.run / "config.json").write_text(json.dumps(cfg))
+    return ["eval", str(c.run), "--n", "2", "--quiet"]
+
+
+LONG = {"problem": "What is " + " + ".join(["1"] * 600) + "?", "solution": "\\boxed{600}", "answer": "600"}
+
+# (id, argv from the row's folders, message substring); every row: exit code 2, one line, nothing written changed
+ROWS = [
+    ("yaml-config", lambda c: train_argv(c, "--config", write(c, "bad.yaml", "steps: 2\nlr: [1,\n")),
+     "bad.yaml: line 3: not valid YAML"),
+    ("yaml-config-missing", lambda c: train_argv(c, "--config", c.tmp / "nope.yaml"), "--config"),
+    ("yaml-set", lambda c: train_argv(c, sets=["tau=[1,"]), "--set 'tau=[1,': the value is not valid YAML"),
+    ("yaml-set-demo", lambda c: ["demo", "--out", str(c.tmp / "demo"), "--set", "tau=[1,"], "--set 'tau=[1,'"),
+    ("set-not-key-value", lambda c: train_argv(c, sets=["tau"]), "KEY=VALUE"),
+    ("unknown-prompt-key", lambda c: train_argv(c, sets=["prompt={bogus: 1}"]), "bogus"),
+    ("unknown-config-field", lambda c: train_argv(c, sets=["learning_rate=3"]), "learning_rate"),
+    ("out-of-range-field", lambda c: train_argv(c, "--lr", "-1"), "lr=-1.0: must be > 0"),
+    ("out-of-range-set", lambda c: train_argv(c, sets=["top_p=2"]), "top_p=2"),
+    ("run-folder-is-a-file", lambda c: train_argv(c, run=c.file), "afile: is a file"),
+    ("run-folder-under-a-file", lambda c: train_argv(c, run=c.file / "run"), "afile is a file"),
+    ("report-out-is-a-file", lambda c: ["report", str(c.run), "--out", str(c.file), "--no-png"], "afile: is a file"),
+    ("report-out-under-a-file", lambda c: ["report", str(c.run), "--out", str(c.file / "rep")], "afile is a file"),
+    ("demo-out-is-a-file", lambda c: ["demo", "--model", str(c.ckpt), "--data", str(c.data), "--out", str(c.file)],
+     "afile: is a file"),
+    ("missing-data-file", lambda c: train_argv(c, data=c.tmp / "nope.jsonl"), "nope.jsonl"),
+    ("bad-data-row", lambda c: train_argv(c, data=write(
+        c, "bad.jsonl", '{"problem": "1+1", "solution": "\\\\boxed{2}", "answer": "2"}\n'
+        '{"problem": "", "solution": "x", "answer": "1"}\n')), "bad.jsonl: line 2: field 'problem' is empty"),
+    ("missing-model-folder", lambda c: train_argv(c, model=c.tmp / "no-such-model"), "no such model folder"),
+    ("model-folder-is-a-file", lambda c: train_argv(c, model=c.file), "afile: is a file"),
+    ("eval-missing-run-folder", lambda c: ["eval", str(c.tmp / "no-such-run")], "no-such-run: no such folder"),
+    ("eval-run-folder-is-a-file", lambda c: ["eval", str(c.file)], "afile: is a file, not a run folder"),
+    ("eval-not-a-run-folder", lambda c: ["eval", str(c.tmp)], "no config.json"),
+    ("eval-missing-data-file", lambda c: ["eval", str(c.run), "--data", str(c.tmp / "nope.jsonl")], "nope.jsonl"),
+    ("eval-missing-base-model", _base_moved_away, "its model"),
+    ("report-missing-run-folder", lambda c: ["report", str(c.tmp / "no-such-run"), "--out", str(c.tmp / "rep")],
+     "no-such-run is not a run folder"),
+]
+
+
+@pytest.mark.parametrize("setup,message", [pytest.param(s, m, id=i) for i, s, m in ROWS])
+def test_bad_input_is_one_line_and_changes_nothing(setup, message, ctx, capsys):
+    """Breaks that fail rows: the YAML parse without its try (yaml-*: a traceback, no exit 2); `check_out_folder` left
+    out of cmd_train (run-folder-*: config.json written under a new folder, or NotADirectoryError from the OS with a
+    traceback); `w.check_model()` left out (missing-model-folder: FileNotFoundError from load_model only after the
+    problems); cmd_eval's folder checks left out (eval-*: read_config's message, not 'no such folder')."""
+    argv = setup(ctx)
+    before = tree(ctx.tmp)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("opsd: error:")]
+    assert e.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert message in lines[0], lines[0]
+    assert tree(ctx.tmp) == before  # nothing already written was changed, nothing new was written
+
+
+def test_missing_data_is_read_before_the_toy_base_is_built(ctx, capsys, monkeypatch, tmp_path_factory):
+    """`opsd train --model toy --data <typo>` fails at once: no toy base is built into an empty cache first.
+    Break: cmd_train reading `w.path` before `w.problems` -> the toy base SFT starts (the World.path trap below)."""
+    from opsd.worlds import World
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.setattr(World, "path", property(lambda self: pytest.fail("the base model was built or loaded")))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--model", "toy", "--data", str(ctx.tmp / "nope.jsonl"), "--run-dir", str(ctx.tmp / "r")])
+    assert e.value.code == 2 and "nope.jsonl" in capsys.readouterr().err
+    assert not (ctx.tmp / "r").exists()
+
+
+# -- the error policy of main(): what is one line, what keeps its traceback --
+
+def _report_runs(monkeypatch, fn):
+    "Make `opsd report` run `fn` (the command's function is looked up when the parser is built)."
+    monkeypatch.setattr(cli, "cmd_report", lambda a: fn())
+    return ["report", "x"]
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """An implicit KeyError inside opsd (a failed lookup, not a `raise` with a message) propagates.
+    Break: _raised_in_opsd without the `raise ` source check -> 'opsd: error: recipe' and exit 2."""
+    from opsd.demo import job_config
+    with pytest.raises(KeyError):
+        cli.main(_report_runs(monkeypatch, lambda: job_config({})))
+    with pytest.raises(ZeroDivisionError):  # a type that is never bad input
+        cli.main(_report_runs(monkeypatch, lambda: 1 / 0))
+
+
+def test_traceback_env_shows_everything(ctx, monkeypatch):
+    "OPSD_TRACEBACK=1: the malformed YAML's ValueError propagates. Break: main ignoring the variable -> SystemExit."
+    monkeypatch.setenv("OPSD_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        cli.main(train_argv(ctx, "--config", write(ctx, "bad.yaml", "lr: [1,\n")))
+
+
+def test_disk_full_is_one_line(monkeypatch, capsys):
+    "A real ENOSPC (writing to /dev/full) is one line naming the disk. Break: DISK_FULL = () -> the OSError propagates."
+    if not Path("/dev/full").exists(): pytest.skip("no /dev/full")
+    def fill():
+        with open("/dev/full", "w") as f: f.write("x" * 65536); f.flush()
+    with pytest.raises(SystemExit) as e:
+        cli.main(_report_runs(monkeypatch, fill))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("opsd: error:") and "disk is full" in err and "\n" not in err
+    assert errno.ENOSPC in cli.DISK_FULL
+
+
+def test_interrupt_is_exit_130(monkeypatch, capsys):
+    "Ctrl-C in any command: exit code 130 and one line. Break: no KeyboardInterrupt branch -> it propagates."
+    def stop(): raise KeyboardInterrupt
+    with pytest.raises(SystemExit) as e:
+        cli.main(_report_runs(monkeypatch, stop))
+    assert e.value.code == 130 and capsys.readouterr().err.strip() == "opsd report: interrupted"
+
+
+def test_opsd_pins_the_arithmetic_before_torch_computes(tmp_path):
+    """`opsd` selects the AVX2 kernels (opsd.repro.pin_numerics) first thing, so its CPU numbers are the same on an
+    AVX-512 machine. Break: main() without pin_numerics() -> this machine dispatches AVX512."""
+    import subprocess, sys
+    env = {k: v for k, v in os.environ.items() if k not in NUMERIC_PINS}
+    code = ("import torch, opsd.cli as c\ntry: c.main(['report', 'no-such-run', '--out', 'r'])\n"
+            "except SystemExit: pass\nprint(torch.backends.cpu.get_cpu_capability())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.stdout.strip() == "AVX2", r.stdout + r.stderr[-2000:]
