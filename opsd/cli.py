@@ -170,6 +170,7 @@ def cmd_padding(a):
     from opsd.padding import padding_report, format_padding_report
     from opsd.rollout import SamplingConfig
     w = resolve_world(a.model, data=a.data)
+    w.check_model()
     problems = w.problems(max(a.n, 64), seed=a.seed, split="test")
     model, tok = load_model(w.path, "float32")
     budget = a.max_new_tokens or (64 if w.kind == "toy" else w.eval.get("max_new_tokens") or 256)

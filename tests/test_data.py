@@ -333,3 +333,29 @@ def test_last_boxed():
     # the one extractor (issue 10): the brace-less form, \fbox, no fallback past a cut-off last box
     assert last_boxed("\\boxed 7") == "7" and last_boxed("\\fbox{x}") == "x"
     assert last_boxed("\\boxed{1} then \\boxed{2") is None and last_boxed(None) is None
+
+
+# ---------------------------------------------------------------- folders opsd writes into
+def test_check_out_folder(tmp_path):
+    """A folder path that is a file, lies under a file or cannot be written is refused, and nothing is created.
+    Break: checking only `path.exists() and not path.is_dir()` (no walk up the parents) -> the under-a-file cases pass
+    silently (and a later mkdir fails with the OS's FileExistsError / NotADirectoryError)."""
+    import os
+    from opsd.data import check_out_folder
+    (tmp_path / "notes.txt").write_text("x")
+    assert check_out_folder(tmp_path / "new" / "run") == tmp_path / "new" / "run"
+    assert check_out_folder(tmp_path) == tmp_path
+    with pytest.raises(NotADirectoryError, match=r"--out .*notes.txt: is a file, not a folder"):
+        check_out_folder(tmp_path / "notes.txt", "--out")
+    for under in (tmp_path / "notes.txt" / "run", tmp_path / "notes.txt" / "a" / "b"):
+        with pytest.raises(NotADirectoryError, match=r"run folder .*: .*notes.txt is a file, so no folder"):
+            check_out_folder(under, "run folder")
+    if os.geteuid() != 0:  # root may write anywhere
+        ro = tmp_path / "ro"; ro.mkdir(); ro.chmod(0o500)
+        try:
+            with pytest.raises(PermissionError, match="not writable"):
+                check_out_folder(ro / "run", "run folder")
+            with pytest.raises(PermissionError, match="the folder is not writable"):
+                check_out_folder(ro, "run folder")
+        finally: ro.chmod(0o700)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] + (["ro"] if os.geteuid() != 0 else [])

@@ -119,7 +119,8 @@ def test_bad_input_is_one_line_and_changes_nothing(setup, message, ctx, capsys):
     """Breaks that fail rows: the YAML parse without its try (yaml-*: a traceback, no exit 2); `check_out_folder` left
     out of cmd_train (run-folder-*: config.json written under a new folder, or NotADirectoryError from the OS with a
     traceback); `w.check_model()` left out (missing-model-folder: FileNotFoundError from load_model only after the
-    problems); cmd_eval's folder checks left out (eval-*: read_config's message, not 'no such folder')."""
+    problems); cmd_eval's `if not p.is_dir()` check left out (eval-missing-run-folder, eval-run-folder-is-a-file:
+    read_config's message, not 'no such folder'). Each was made once and watched to fail."""
     argv = setup(ctx)
     before = tree(ctx.tmp)
     with pytest.raises(SystemExit) as e:

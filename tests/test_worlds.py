@@ -113,3 +113,22 @@ def test_smollm2_world_path_loads(smollm2_world):
     assert (p / "config.json").exists() and list(p.glob("*.safetensors"))
     assert AutoConfig.from_pretrained(p).vocab_size == 49152
     assert AutoTokenizer.from_pretrained(p).eos_token == "<|im_end|>"
+
+
+def test_check_model_refuses_missing_local_folders(tiny_ckpt, tmp_path, monkeypatch):
+    """A local model path that does not exist, is a file or holds no config.json is refused in one line; a real
+    from_pretrained folder, a hub id and the named worlds pass (nothing is loaded).
+    Break: check_model returning early when the name has a '/' (treating every path as a hub id) -> the missing
+    folders pass and fail later inside from_pretrained."""
+    resolve_world(str(tiny_ckpt)).check_model()
+    for name in ("toy", "toy:copy", "smollm2", "Qwen/Qwen3-1.7B", "gpt2"):
+        resolve_world(name).check_model()
+    (tmp_path / "notes.txt").write_text("x"); (tmp_path / "empty").mkdir(); (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for name, msg in ((str(tmp_path / "nope"), "no such model folder"), ("./nope", "no such model folder"),
+                      ("runs/base", "no such model folder"),  # runs/ is a folder here: a local path, not a hub id
+                      ("a/b/c", "no such model folder"), ("notes.txt", "is a file"), ("empty", "has no config.json")):
+        with pytest.raises((FileNotFoundError, NotADirectoryError), match=msg):
+            resolve_world(name).check_model(what="--model")
+    with pytest.raises(FileNotFoundError, match=r"^run folder r: its model \./nope: no such model folder"):
+        resolve_world("./nope").check_model(what="run folder r: its model")
