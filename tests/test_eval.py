@@ -383,6 +383,234 @@ def test_eval_runs_one_backend(tiny, tmp_path):
     # the base rows (step 0) of the two runs are the same samples: one engine, same weights, same seeds
     fa, fb = (read_eval(r).filter(pl.col("step") == 0).sort("seed", "problem_id", "sample") for r in runs)
     assert fa["pred"].to_list() == fb["pred"].to_list()
+    # the key: the base folder's fingerprint (opsd.repro's), each adapter's, the same setting in both runs
+    ra = read_eval(runs[0])
+    assert set(ra["key_base"].to_list()) == {weights_fingerprint(base)}
+    assert set(ra.filter(pl.col("step") == 3)["key_weights"].to_list()) == \
+        {weights_fingerprint(runs[0] / "checkpoints" / "step-3" / "adapter_model.safetensors")}
+    assert set(ra["setting"].to_list()) == set(read_eval(runs[1])["setting"].to_list())
     other = RunDir(tmp_path / "c"); other.write_config(dict(model="elsewhere"))
     with pytest.raises(ValueError, match="different base models"):
         eval_runs(runs + [other.path], PROBLEMS)
+
+
+# ---------------------------------------------------------------- keyed rows, partial blocks, one writer, bad input
+import hashlib
+import io
+import time
+
+from opsd.eval import data_hash, scan_eval
+from opsd.repro import folder_lock, weights_fingerprint
+from opsd.runs import read_eval
+
+KW = dict(extract_fn=RAW, grade_mode="exact", batch_size=8, progress=False)
+
+
+def _lora(model, seed, path):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(copy.deepcopy(model), lora).save_pretrained(path)
+
+
+@pytest.fixture
+def run2(tiny, tmp_path):
+    "A run folder with two non-zero LoRA checkpoints of the tiny model (steps 2 and 4)."
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(dict(name="keyed")))
+    for step in (2, 4):
+        _lora(tiny[0], step, run / "checkpoints" / f"step-{step}")
+    return run
+
+
+def _sweep(run, tiny, problems=PROBLEMS, k=2, budget=6, **kw):
+    model, tok = tiny
+    return sweep_checkpoints(run, model, tok, problems, k=k, sampling=_greedy(budget), **{**KW, **kw})
+
+
+def _file_rows(run):
+    return [json.loads(l) for l in (run / "eval.jsonl").read_text().splitlines()]
+
+
+def test_rows_carry_their_key(tiny, run2):
+    """Every row names what produced it; the fingerprints are opsd.repro's, the data hash is the content's.
+    Break that made it fail: key_weights taken from the base for every step (the adapter not fingerprinted)."""
+    _sweep(run2, tiny)
+    rows = _file_rows(run2)
+    by_step = {r["step"]: r for r in rows}
+    for step in (2, 4):
+        assert by_step[step]["key_weights"] == weights_fingerprint(
+            run2 / "checkpoints" / f"step-{step}" / "adapter_model.safetensors")
+    assert by_step[0]["key_weights"] == by_step[0]["key_base"] != by_step[2]["key_weights"] != by_step[4]["key_weights"]
+    by_hand = hashlib.sha256(json.dumps([[str(i), p["problem"], p["answer"]] for i, p in enumerate(PROBLEMS)],
+                                        sort_keys=True).encode()).hexdigest()[:16]
+    assert {r["key_data"] for r in rows} == {by_hand}
+    r = rows[0]
+    assert (r["key_n"], r["key_k"], r["key_max_new_tokens"], r["key_temperature"], r["key_grade"], r["block_rows"]) \
+        == (3, 2, 6, 0.0, "exact", 6)
+    assert r["key_dtype"] == "float32" and len({x["setting"] for x in rows}) == 1
+
+
+def test_changed_setting_evaluates_again(tiny, run2):
+    """Only a block with the same key is skipped: each changed setting (or retrained checkpoint) evaluates again.
+    Break that made it fail: the done check keyed on (step, seed, split) only (the old rule) -> 0 rows for a
+    changed k, budget, data or grader."""
+    assert _sweep(run2, tiny).height == 3 * 6
+    assert _sweep(run2, tiny, problems=[dict(p) for p in PROBLEMS]).height == 0  # the same content: done
+    assert _sweep(run2, tiny, k=1).height == 3 * 3
+    assert _sweep(run2, tiny, budget=5).height == 3 * 6
+    edited = [PROBLEMS[0], PROBLEMS[1], dict(PROBLEMS[2], answer="16")]
+    assert data_hash(edited) != data_hash(PROBLEMS)
+    assert _sweep(run2, tiny, problems=edited).height == 3 * 6
+    assert _sweep(run2, tiny, grade_mode="math").height == 3 * 6
+    _lora(tiny[0], 99, run2 / "checkpoints" / "step-4")  # step 4 retrained: other weights under the same name
+    again = _sweep(run2, tiny)
+    assert set(again["step"].to_list()) == {4} and again.height == 6
+    assert _sweep(run2, tiny).height == 0
+    blocks = {(r["step"], r["setting"], r["key_weights"]) for r in _file_rows(run2)}
+    assert len(blocks) == 3 * 5 + 1  # five settings x three steps, plus the retrained step 4
+
+
+def test_summary_counts_the_latest_setting(tiny, run2):
+    """Summaries never mix two settings: the latest per run and split, or every one grouped by `setting`.
+    Break that made it fail: summarize_eval without current_eval -> k=3 groups mixing the k=2 and k=1 rows."""
+    first = _sweep(run2, tiny, k=2, budget=6)
+    second = _sweep(run2, tiny, k=1, budget=4)
+    s = summarize_eval(read_eval(run2))
+    assert s.select("step", "k", "avg_at_k").rows() == summarize_eval(second).select("step", "k", "avg_at_k").rows()
+    assert s["k"].to_list() == [1, 1, 1]
+    both = summarize_eval(read_eval(run2), settings="all")
+    assert both.height == 6 and both["setting"].n_unique() == 2
+    by_hand = summarize_eval(first.select(EVAL_COLUMNS + ["run", "step", "seed", "split"]))
+    got = both.filter(pl.col("setting") == first["setting"][0]).drop("setting")
+    assert got.select(by_hand.columns).rows() == by_hand.rows()
+
+
+@pytest.mark.parametrize("cut", ["torn line", "whole lines", "block twice"])
+def test_partial_block_is_redone(tiny, run2, capsys, cut):
+    """A really truncated eval.jsonl (cut inside a line, or between lines as a full disk leaves it) or a block
+    written twice: the sweep repairs the file and redoes the block; the file equals the uninterrupted one.
+    Break that made it fail: scan_eval counting any block with rows as complete (the cut block stayed short)."""
+    _sweep(run2, tiny, seeds=(0, 1))
+    path = run2 / "eval.jsonl"
+    whole = path.read_bytes()
+    lines = whole.split(b"\n")[:-1]
+    if cut == "torn line":
+        path.write_bytes(whole[: len(whole) - len(lines[-1]) // 2 - 1 - len(lines[-2]) - 1])
+    elif cut == "whole lines":
+        path.write_bytes(b"\n".join(lines[:-4]) + b"\n")
+    else:
+        path.write_bytes(whole + b"\n".join(lines[-6:]) + b"\n")
+    capsys.readouterr()
+    redo = _sweep(run2, tiny, seeds=(0, 1))
+    err = capsys.readouterr().err
+    assert "removed" in err and "evaluated again" in err
+    assert path.read_bytes() == whole
+    assert redo.height == (0 if cut == "block twice" else 6)
+
+
+def test_old_rows_are_not_reused(tiny, run2, capsys):
+    """Rows without a key (an older opsd) are kept but never count as done; the sweep says so once.
+    Break that made it fail: keyless rows counted as done by (step, seed, split) -> nothing evaluated."""
+    _sweep(run2, tiny)
+    path = run2 / "eval.jsonl"
+    new = path.read_text()
+    old = [{k: v for k, v in r.items() if not k.startswith("key_") and k not in ("setting", "block_rows")}
+           for r in _file_rows(run2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    capsys.readouterr()
+    assert _sweep(run2, tiny).height == 18
+    assert capsys.readouterr().err.count("carry no evaluation key") == 1
+    assert _sweep(run2, tiny).height == 0 and "carry no evaluation key" not in capsys.readouterr().err
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in old) + new  # nothing deleted
+    assert summarize_eval(read_eval(run2)).equals(summarize_eval(pl.read_ndjson(io.StringIO(new))))
+
+
+def test_skip_done_false_replaces_the_block(tiny, run2):
+    """skip_done=False evaluates again and the new block replaces the old one (no repeated rows).
+    Break that made it fail: the old block not dropped first -> the block twice in the file."""
+    _sweep(run2, tiny)
+    before = (run2 / "eval.jsonl").read_bytes()
+    assert _sweep(run2, tiny, skip_done=False).height == 18
+    assert (run2 / "eval.jsonl").read_bytes() == before  # greedy: the same rows, once
+
+
+def test_one_writer_at_a_time(tiny, run2):
+    """While another process holds the evaluation log's lock, a sweep waits, then writes.
+    Break that made it fail: sweep_checkpoints without folder_lock -> eval.jsonl written while the lock was held."""
+    out = {}
+    with folder_lock(run2 / "eval.jsonl", "the evaluation log"):
+        t = threading.Thread(target=lambda: out.update(fr=_sweep(run2, tiny)))
+        t.start()
+        time.sleep(3)
+        assert t.is_alive() and not (run2 / "eval.jsonl").exists()
+    t.join(120)
+    assert out["fr"].height == 18 and len(_file_rows(run2)) == 18
+
+
+def test_bad_folders_are_refused_before_loading(tiny, tmp_path, monkeypatch):
+    """Run and base-model folders that do not exist, are files or hold no config: one line naming the folder,
+    before any model is loaded. Break that made it fail: the folder checks removed (RunDir as given, the model path
+    unchecked) -> RunDir's config.json message for a missing folder, a model load for a missing base."""
+    import opsd.eval
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(opsd.eval, "load_model", no_load)
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def run_with(model):
+        rd = tmp_path / f"run-{abs(hash(str(model)))}"
+        rd.mkdir()
+        (rd / "config.json").write_text(json.dumps(dict(model=str(model), dtype="float32")))
+        return rd
+
+    table = [  # (run folder, error type, words of the message)
+        (tmp_path / "missing", FileNotFoundError, "no such run folder"),
+        (a_file, NotADirectoryError, "not a run folder (it is a file)"),
+        (empty, FileNotFoundError, "not a run folder (no config.json)"),
+        (run_with(tmp_path / "no-base"), FileNotFoundError, "no such base model folder"),
+        (run_with(a_file), NotADirectoryError, "not a base model folder (it is a file)"),
+        (run_with(empty), FileNotFoundError, "not a base model folder (no config.json)"),
+    ]
+    for rd, err, words in table:
+        with pytest.raises(err) as e:
+            eval_runs([rd], PROBLEMS, backend="hf", progress=False)
+        msg = str(e.value)
+        assert words in msg and "\n" not in msg, msg
+        named = rd if "run folder" in words else json.loads((rd / "config.json").read_text())["model"]
+        assert str(named) in msg, msg
+
+
+def test_prompts_longer_than_the_context_are_refused(tiny, run2):
+    """A prompt plus the budget over the model's context (512 here) is refused before anything is generated or
+    written, naming the longest row; repeated ids too. Break that made it fail: both check_context calls
+    (sweep_checkpoints and evaluate) removed -> it generated past the context (DID NOT RAISE)."""
+    model, tok = tiny
+    long = PROBLEMS + [dict(problem="1 + " * 300 + "1?", answer="301", id="long")]
+    with pytest.raises(ValueError, match=r"do not fit the model's context of 512 .* row 'long'"):
+        _sweep(run2, tiny, problems=long)
+    with pytest.raises(ValueError, match=r"3 of 3 .* do not fit the model's context of 512 tokens with 600"):
+        _sweep(run2, tiny, budget=600)
+    with pytest.raises(ValueError, match="do not fit"):
+        evaluate(model, tok, long, sampling=_greedy())
+    with pytest.raises(ValueError, match="id 'a' appears 2 times"):
+        _sweep(run2, tiny, problems=[dict(PROBLEMS[0], id="a"), dict(PROBLEMS[1], id="a")])
+    assert not (run2 / "eval.jsonl").exists()
+
+
+def test_scan_eval_by_hand():
+    "Complete, incomplete, repeated and keyless rows sorted as counted by hand."
+    def blk(step, n, rows=2, seed=0):
+        return [dict(step=step, seed=seed, split="test", setting="s", key_weights="w", block_rows=rows,
+                     problem_id=str(i), sample=0) for i in range(n)]
+    rows = blk(0, 2) + blk(1, 1) + blk(2, 2) + blk(2, 2) + blk(3, 2, seed=1) + [dict(step=9, seed=0, problem_id="x")]
+    s = scan_eval(rows)
+    assert s["done"] == {(0, 0, "test", "s", "w"), (2, 0, "test", "s", "w"), (3, 1, "test", "s", "w")}
+    assert (s["dropped"], s["duplicates"], s["unkeyed"], len(s["rows"])) == (1, 2, 1, 7)
