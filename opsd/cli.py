@@ -277,13 +277,12 @@ def error_line(e: BaseException) -> str:
     return " ".join(line.strip() for line in msg.splitlines() if line.strip())
 
 def _check_args(a):
-    "Checks of any command's arguments before its work: `--out` not a file, `opsd demo --set` items well-formed."
+    "Checks before any command's work: `--out` not a file, `--set` items well-formed, `--model` and `--data` there."
     if getattr(a, "out", None): check_out_folder(a.out, "--out")
-    if a.cmd == "demo":
-        parse_set_items(a.set)
-        w = resolve_world(a.model, data=a.data)
-        w.check_model()
-        if a.data is not None and w.kind != "toy": load_problems(a.data)
+    if a.cmd == "demo": parse_set_items(a.set)
+    if a.cmd in ("demo", "padding", "analyze"):  # (train and eval check theirs once the config / run says which)
+        resolve_world(a.model, data=a.data).check_model()
+        if a.data is not None: load_problems(a.data)
 
 def main(argv=None):
     "The `opsd` console script: bad input is one line `opsd: error: ...` and exit code 2; a bug keeps its traceback."

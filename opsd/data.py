@@ -274,8 +274,8 @@ def _iter_rows(source, split):
     path = Path(source)
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson", ".json", ".parquet", ".csv") or path.exists():
-        if not path.exists(): raise FileNotFoundError(f"load_problems: no such file: {path}")
-        if path.is_dir(): raise ValueError(f"load_problems: {path} is a folder; give a .jsonl/.json/.parquet/.csv file")
+        if not path.exists(): raise FileNotFoundError(f"problems file {path}: no such file")
+        if path.is_dir(): raise ValueError(f"problems file {path}: is a folder; give a .jsonl/.json/.parquet/.csv file")
         if suffix in (".jsonl", ".ndjson"): return str(path), _rows_jsonl(path)
         if suffix == ".json":
             try: data = json.loads(path.read_text(encoding="utf-8"))

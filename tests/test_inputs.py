@@ -106,7 +106,13 @@ ROWS = [
     ("report-out-under-a-file", lambda c: ["report", str(c.run), "--out", str(c.file / "rep")], "afile is a file"),
     ("demo-out-is-a-file", lambda c: ["demo", "--model", str(c.ckpt), "--data", str(c.data), "--out", str(c.file)],
      "afile: is a file"),
-    ("missing-data-file", lambda c: train_argv(c, data=c.tmp / "nope.jsonl"), "nope.jsonl"),
+    ("missing-data-file", lambda c: train_argv(c, data=c.tmp / "nope.jsonl"), "nope.jsonl: no such file"),
+    ("data-file-is-a-folder", lambda c: train_argv(c, data=c.run), "is a folder"),
+    ("analyze-missing-model-folder", lambda c: ["analyze", "--model", str(c.tmp / "no-such-model")],
+     "no such model folder"),
+    ("analyze-out-is-a-file", lambda c: ["analyze", "--model", "toy", "--out", str(c.file)], "afile: is a file"),
+    ("padding-missing-data-file", lambda c: ["padding", "--model", str(c.ckpt), "--data", str(c.tmp / "nope.jsonl")],
+     "nope.jsonl: no such file"),
     ("bad-data-row", lambda c: train_argv(c, data=write(
         c, "bad.jsonl", '{"problem": "1+1", "solution": "\\\\boxed{2}", "answer": "2"}\n'
         '{"problem": "", "solution": "x", "answer": "1"}\n')), "bad.jsonl: line 2: field 'problem' is empty"),
