@@ -4,19 +4,44 @@
 
 # %% ../nbs/05b_runs.ipynb #1f940b4a
 from __future__ import annotations
-import json, os, re, warnings
+import errno, json, os, re, shutil, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 import polars as pl
 
-
 # %% auto #0
-__all__ = ['DTYPES', 'append_jsonl', 'jsonl_rows', 'read_jsonl', 'rewrite_jsonl', 'checkpoint_step', 'adapter_dir',
-           'is_checkpoint', 'RunDir', 'read_metrics', 'read_positions', 'read_eval', 'read_config', 'latest_checkpoint',
-           'list_checkpoints', 'run_folders', 'RunData', 'read_run', 'torch_dtype', 'with_adapter', 'load_model']
+__all__ = ['DTYPES', 'disk_full', 'full_error', 'write_bytes', 'append_jsonl', 'jsonl_rows', 'read_jsonl', 'write_atomic',
+           'rewrite_jsonl', 'checkpoint_step', 'adapter_dir', 'is_checkpoint', 'RunDir', 'read_metrics',
+           'read_positions', 'read_eval', 'read_config', 'latest_checkpoint', 'list_checkpoints', 'run_folders',
+           'RunData', 'read_run', 'torch_dtype', 'with_adapter', 'load_tokenizer', 'load_model']
 
 # %% ../nbs/05b_runs.ipynb #ee9d6b82
+_FULL = (errno.ENOSPC, errno.EFBIG)   # no space left on the device; a file size limit (ulimit -f, quotas)
+
+def disk_full(e: BaseException) -> str | None:
+    "Why a write failed when it ran out of space (ENOSPC) or hit a file size limit (EFBIG), else None."
+    if isinstance(e, OSError) and e.errno in _FULL: return os.strerror(e.errno)
+    text = str(e)   # writers in Rust/C++ (safetensors) report the OS error in their message only
+    for code in _FULL:
+        if os.strerror(code) in text or f"os error {code})" in text: return os.strerror(code)
+    return None
+
+def full_error(what: str, why: str, kept: str) -> OSError:
+    "The one disk-full error: what was being written, why it failed, and what is still intact."
+    return OSError(errno.ENOSPC, f"disk full while writing {what} ({why}); {kept}; free some space, then run the same "
+                                 "command again")
+
+def _write_all(fd: int, data: bytes):
+    view = memoryview(data).cast("B")
+    while view: view = view[os.write(fd, view):]
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    "Write a whole file and fsync it, at the OS level, so that a full disk raises an OSError with its errno."
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try: _write_all(fd, data); os.fsync(fd)
+    finally: os.close(fd)
+
 def _cut_torn_tail(path: Path) -> None:
     "If the file does not end in a newline, drop its partial last line (an interrupted write)."
     size = path.stat().st_size
@@ -30,14 +55,22 @@ def _cut_torn_tail(path: Path) -> None:
 def append_jsonl(path: str | Path, # a .jsonl file (created with its folder)
                  rows: dict | Iterable[dict], # one row or several
                 ) -> int: # rows written
-    "Append whole JSON lines, flushed and fsynced; a torn last line left by a crash is cut off first."
+    "Append whole JSON lines, fsynced; a torn last line left by a crash is cut first; a full disk leaves none."
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     rows = [rows] if isinstance(rows, dict) else list(rows)
     if not rows: return 0
     if path.exists(): _cut_torn_tail(path)
-    text = "".join(json.dumps(r, default=float) + "\n" for r in rows)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(text); f.flush(); os.fsync(f.fileno())
+    data = "".join(json.dumps(r, default=float) + "\n" for r in rows).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try: _write_all(fd, data); os.fsync(fd)
+        except OSError as e:
+            why = disk_full(e)
+            if why is None: raise
+            os.ftruncate(fd, start)     # no partial row is left behind
+            raise full_error(str(path), why, "its earlier rows are intact") from None
+    finally: os.close(fd)
     return len(rows)
 
 def jsonl_rows(path: str | Path) -> list[dict]:
@@ -63,11 +96,21 @@ def read_jsonl(path: str | Path) -> pl.DataFrame:
     rows = jsonl_rows(path)
     return pl.from_dicts(rows, infer_schema_length=None) if rows else pl.DataFrame()
 
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    "Replace a file's content atomically (a temporary file, fsynced, then renamed); on a full disk it is unchanged."
+    path = Path(path); tmp = path.with_name(path.name + ".tmp")
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        write_bytes(tmp, data); os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        why = disk_full(e)
+        if why is None: raise
+        raise full_error(str(path), why, "the file is unchanged") from None
+
 def rewrite_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     "Replace a .jsonl file's rows atomically (write a temporary file, then rename)."
-    path = Path(path); tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r, default=float) + "\n" for r in rows))
 
 # %% ../nbs/05b_runs.ipynb #7d7b4503
 def checkpoint_step(path: str | Path) -> int:
@@ -90,18 +133,28 @@ def is_checkpoint(path: str | Path) -> bool:
 
 class RunDir:
     "A run folder: the one reader and writer of its config, logs and checkpoints."
+    RUN_FILES = ("config.json", "metrics.jsonl", "positions.jsonl", "eval.jsonl", "starts.jsonl")  # what runs write
     def __init__(self, path: str | Path): self.path = Path(path)
     def __repr__(self): return f"RunDir({str(self.path)!r})"
     config_path = property(lambda self: self.path / "config.json")
     metrics_path = property(lambda self: self.path / "metrics.jsonl")
     positions_path = property(lambda self: self.path / "positions.jsonl")
     eval_path = property(lambda self: self.path / "eval.jsonl")
+    starts_path = property(lambda self: self.path / "starts.jsonl")
     checkpoints_dir = property(lambda self: self.path / "checkpoints")
+
+    def make(self) -> Path:
+        "Create the folder; a file in its place or above it is a clear error (before anything is written)."
+        for p in (self.path, *self.path.parents):
+            if p.exists() and not p.is_dir():
+                where = "is a file" if p == self.path else f"is under {p}, which is a file"
+                raise NotADirectoryError(f"run folder {self.path} {where}; choose another --out / run_dir")
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self.path
 
     def write_config(self, cfg: dict):
         self.path.mkdir(parents=True, exist_ok=True)
-        tmp = self.config_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(cfg, indent=2, default=str)); os.replace(tmp, self.config_path)
+        write_atomic(self.config_path, json.dumps(cfg, indent=2, default=str))
     def read_config(self) -> dict:
         if not self.config_path.exists():
             raise FileNotFoundError(f"{self.config_path}: no config (is {self.path} a run folder?)")
@@ -116,19 +169,21 @@ class RunDir:
     def metrics(self) -> pl.DataFrame: return read_jsonl(self.metrics_path)
     def positions(self) -> pl.DataFrame: return read_jsonl(self.positions_path)
     def eval(self) -> pl.DataFrame: return read_jsonl(self.eval_path)
+    def starts(self) -> list[dict]: return jsonl_rows(self.starts_path)
     def append_metrics(self, row: dict) -> int: return append_jsonl(self.metrics_path, row)
     def append_positions(self, rows) -> int: return append_jsonl(self.positions_path, rows)
     def append_eval(self, rows) -> int: return append_jsonl(self.eval_path, rows)
+    def append_start(self, row: dict) -> int: return append_jsonl(self.starts_path, row)
 
     def truncate_after(self, step: int):
-        "Drop metrics and position rows beyond `step` (a resumed run recomputes them)."
+        "Drop metrics and position rows beyond `step` (a resumed run recomputes them; 0: a run with no checkpoint)."
         for p in (self.metrics_path, self.positions_path):
             if p.exists(): rewrite_jsonl(p, [r for r in jsonl_rows(p) if r.get("step", -1) <= step])
 
     def clear(self):
-        "Remove the logs and checkpoints of a fresh (not resumed) run; evaluation rows are kept."
-        import shutil
-        for p in (self.metrics_path, self.positions_path): p.unlink(missing_ok=True)
+        "Remove everything a run wrote (RUN_FILES, their temporaries, checkpoints); other files and the lock stay."
+        for name in self.RUN_FILES:
+            for p in (self.path / name, self.path / (name + ".tmp")): p.unlink(missing_ok=True)
         shutil.rmtree(self.checkpoints_dir, ignore_errors=True)
 
     def checkpoints(self) -> list[Path]:
@@ -137,7 +192,6 @@ class RunDir:
         return sorted((p for p in d.iterdir() if is_checkpoint(p)), key=checkpoint_step) if d.is_dir() else []
     def latest_checkpoint(self) -> Path | None:
         ck = self.checkpoints(); return ck[-1] if ck else None
-
 
 # %% ../nbs/05b_runs.ipynb #1ad64c30
 def read_metrics(run_dir) -> pl.DataFrame:
@@ -204,19 +258,47 @@ def with_adapter(model, # a loaded base model (the one the adapter was trained o
     if a is None: raise FileNotFoundError(f"{adapter}: no LoRA adapter (adapter_config.json) in it or in a sub-folder")
     return PeftModel.from_pretrained(model, str(a))
 
+def _hub_like(path: str) -> bool:
+    "Whether a missing path could be a hub name ('org/name' or 'name'), rather than a local folder."
+    p = Path(path)
+    if p.is_absolute() or path.startswith((".", "~")) or "\\" in path or path.endswith("/") or path.count("/") > 1:
+        return False
+    return not (len(p.parts) == 2 and Path(p.parts[0]).is_dir())   # 'runs/x' with a local 'runs': a folder
+
+def _check_model_path(path) -> str:
+    "A model path: an existing folder, or a name that may be on the hub; a missing local path is a clear error."
+    s = str(path)
+    p = Path(s).expanduser()
+    if p.exists():
+        if not p.is_dir(): raise NotADirectoryError(f"model folder {s} is a file, not a from_pretrained folder")
+        return str(p)
+    if not _hub_like(s): raise FileNotFoundError(f"model folder {s} does not exist")
+    return s
+
+def _missing(path: str, what: str, e: Exception) -> FileNotFoundError:
+    if Path(path).is_dir():
+        return FileNotFoundError(f"model folder {path}: no {what} found in it ({str(e).splitlines()[0]})")
+    return FileNotFoundError(f"model folder {path} does not exist, and no hub model {path!r} could be loaded "
+                             f"either ({str(e).splitlines()[0]})")
+
+def load_tokenizer(path: str | Path):
+    "The tokenizer of a model folder or hub name (a missing local folder is a clear error)."
+    from transformers import AutoTokenizer
+    s = _check_model_path(path)
+    try: return AutoTokenizer.from_pretrained(s)
+    except (OSError, ValueError) as e: raise _missing(s, "tokenizer", e) from None
+
 def load_model(path: str | Path, # the base: a `from_pretrained` folder or a hub name
                dtype: str = "float32", # weights' dtype (DTYPES)
                adapter: str | Path | None = None, # a checkpoint folder whose LoRA adapter goes on top
                device=None, # move the model there (default: where from_pretrained puts it)
               ) -> tuple: # (model in eval mode, tokenizer)
     "The one model loader: a base via `from_pretrained` in a dtype, optionally with a checkpoint's LoRA adapter."
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     dt = torch_dtype(dtype)
-    try: tok = AutoTokenizer.from_pretrained(str(path))
-    except OSError as e: raise FileNotFoundError(f"model {str(path)!r}: no tokenizer found ({e})") from None
-    try: model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
-    except OSError as e: raise FileNotFoundError(f"model {str(path)!r}: no weights found ({e})") from None
+    tok, s = load_tokenizer(path), _check_model_path(path)
+    try: model = AutoModelForCausalLM.from_pretrained(s, dtype=dt)
+    except (OSError, ValueError) as e: raise _missing(s, "weights", e) from None
     if adapter is not None: model = with_adapter(model, adapter)
     model = model.to(device) if device is not None else model
     return model.eval(), tok
-

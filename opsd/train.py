@@ -4,8 +4,8 @@
 
 # %% ../nbs/06_train.ipynb #81ecd379
 from __future__ import annotations
-import dataclasses, json, math, os, random, shutil, signal, time, warnings
-from contextlib import contextmanager
+import dataclasses, io, json, math, os, random, shutil, signal, time, warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Callable, Sequence
@@ -15,17 +15,19 @@ import torch
 
 from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, normaliser, CLIP_MODES
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_frame
-from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_problems
+from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_problems, check_context, model_context
 from .collate import collate, batch_logits, PAD_MODES
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
-from .runs import RunDir, DTYPES, load_model
-
+from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
+from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS',
-           'FUSED_KERNEL_MODES', 'patch', 'OPSDConfig', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing',
-           'bf16_adapter_compute', 'Teacher', 'save_checkpoint', 'load_checkpoint', 'StepPlan', 'Samples',
-           'BackwardResult', 'UpdateResult', 'Timings', 'OPSDTrainer', 'train', 'PendingRollout']
+           'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'OPSDConfig', 'read_yaml',
+           'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
+           'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
+           'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences', 'check_run_config', 'base_fingerprint',
+           'train', 'PendingRollout']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -79,6 +81,8 @@ class OPSDConfig:
     save_every: int = 25  # checkpoint every k steps (and at the end)
     dtype: str = "bfloat16"  # model weights' dtype ('float32' on CPU)
     checkpointing: float = 1.0  # share of decoder layers with gradient checkpointing (released: all; 0 = none)
+    cpu_threads: int = 1  # torch threads when training on CPU, fixed so that a result does not depend on the
+    #                       machine's core count or OMP_NUM_THREADS (0: torch's default; see nbs/05a_repro)
     bf16_adapters: bool = False  # CUDA: LoRA compute in bf16 under autocast (no fp32 cast of each LoRA input)
     # rollout
     max_completion_length: int = 1024
@@ -108,6 +112,7 @@ class OPSDConfig:
                       max_completion_length=(1, None), lora_r=(1, None), fused_chunk=(1, None), warmup_steps=(0, None),
                       log_positions=(0, None), sample_top_k=(0, None), beta=(0, 1), checkpointing=(0, 1),
                       lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None))
+        ranges.update(seed=(0, 2**32 - 1), cpu_threads=(0, None))   # seed: numpy's seeds are 32-bit
         for k, (lo, hi) in ranges.items():
             v = getattr(self, k)
             if v < lo or (hi is not None and v > hi):
@@ -122,6 +127,9 @@ class OPSDConfig:
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"config field top_k={self.top_k!r}: must be >= 0 (0 or None = off)")
         self.lora_targets = tuple(self.lora_targets)
+        valid = [f.name for f in dataclasses.fields(PromptConfig)]
+        bad = sorted(set(self.prompt) - set(valid))
+        if bad: raise ValueError(f"config field prompt: unknown key(s) {bad}; valid keys: {valid}")
         if self.async_rollout: self.vllm_sleep = False   # the engine stays awake: it samples while training runs
 
     @classmethod
@@ -148,11 +156,24 @@ class OPSDConfig:
     @classmethod
     def from_yaml(cls, path, base: "OPSDConfig | None" = None, **overrides) -> "OPSDConfig":
         "Load a YAML file (a mapping of config fields) on top of `base`; keyword overrides win."
-        import yaml
-        d = yaml.safe_load(Path(path).read_text()) or {}
+        d = read_yaml(path)
         if not isinstance(d, dict):
             raise ValueError(f"{path}: expected a mapping of config fields, got {type(d).__name__}")
         return cls.from_dict({**(base or cls()).to_dict(), **d, **overrides}, source=str(path))
+
+def read_yaml(path) -> dict | list | None:
+    "A YAML file's content; a missing file or malformed YAML is a one-line error naming the file (and line)."
+    import yaml
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} " + ("is a folder" if path.is_dir() else "does not exist"))
+    try: return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{path}: {where}not valid YAML ({what})") from None
+    except UnicodeDecodeError as e: raise ValueError(f"{path}: not a text file ({e.reason})") from None
 
 _TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 
@@ -268,41 +289,93 @@ class Teacher:
         self.ema = {k: v.clone() for k, v in sd["ema"].items()}; self.updates = int(sd["updates"])
 
 # %% ../nbs/06_train.ipynb #bff659ce
-def _rng_state():
-    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+CHECKPOINT_FORMAT = 2   # 2: trainer_state.pt of tensors and plain values (weights_only); 1 (pickled RNG states): refused
+
+def _rng_state() -> dict:
+    "Every RNG state as tensors and plain values (loadable with `torch.load(weights_only=True)`)."
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return dict(python=dict(version=version, state=list(mt), gauss=gauss),
+                numpy=dict(name=str(name), keys=torch.from_numpy(keys.astype(np.int64)), pos=int(pos),
+                           has_gauss=int(has_gauss), cached_gaussian=float(cached)),
+                torch=torch.get_rng_state(),
                 cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
 
-def _set_rng_state(s):
-    random.setstate(s["python"]); np.random.set_state(s["numpy"]); torch.set_rng_state(s["torch"])
+def _set_rng_state(s: dict):
+    p, n = s["python"], s["numpy"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
+
+def _test_pause(where: str, step: int):
+    "Tests only: with OPSD_TEST_PAUSE='where:step', create the file OPSD_TEST_PAUSE_MARK and wait while it exists."
+    if os.environ.get("OPSD_TEST_PAUSE") != f"{where}:{step}": return
+    mark, t0 = Path(os.environ["OPSD_TEST_PAUSE_MARK"]), time.time()
+    mark.write_text(str(os.getpid()))
+    while mark.exists() and time.time() - t0 < 600: time.sleep(0.02)   # a kill -9 lands here
 
 def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, teacher: Teacher,
                     rollout_adapter: dict | None = None) -> Path:
     "Write checkpoints/step-N atomically (model: the unwrapped peft model; async: the pending rollout's adapter)."
-    final = RunDir(run_dir).checkpoints_dir / f"step-{step}"
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    if rollout_adapter is not None:
-        from safetensors.torch import save_file
-        save_file({k: v.detach().cpu().contiguous() for k, v in rollout_adapter.items()},
-                  str(tmp / "rollout_adapter.safetensors"))
-    torch.save(dict(optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), teacher=teacher.state_dict(),
-                    rng=_rng_state(), step=step), tmp / "trainer_state.pt")
-    (tmp / "state.json").write_text(json.dumps(dict(step=step)))
-    shutil.rmtree(final, ignore_errors=True); os.replace(tmp, final)
+    run = RunDir(run_dir)
+    final = run.checkpoints_dir / f"step-{step}"
+    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+    buf = io.BytesIO()   # serialised here, written below with an OS-level write that reports a full disk
+    torch.save(dict(format=CHECKPOINT_FORMAT, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+                    teacher=teacher.state_dict(), rng=_rng_state(), step=step), buf)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
+        model.save_pretrained(tmp)
+        if rollout_adapter is not None:
+            from safetensors.torch import save_file
+            save_file({k: v.detach().cpu().contiguous() for k, v in rollout_adapter.items()},
+                      str(tmp / "rollout_adapter.safetensors"))
+        write_bytes(tmp / "trainer_state.pt", buf.getbuffer())
+        _test_pause("save", step)
+        write_bytes(tmp / "state.json", json.dumps(dict(step=step)).encode())
+        if final.exists(): shutil.rmtree(old, ignore_errors=True); os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = disk_full(e)
+        if why is None: raise
+        prev = [p for p in run.checkpoints() if checkpoint_step(p) != step]
+        kept = f"the previous checkpoint {prev[-1].name} is intact" if prev else "no earlier checkpoint exists"
+        raise full_error(f"checkpoint step-{step} to {run.checkpoints_dir}", why, kept) from None
     return final
 
+def read_trainer_state(path) -> dict:
+    "A checkpoint's trainer_state.pt, loaded with `weights_only=True`; anything that needs more is refused."
+    import pickle
+    path = Path(path)
+    fix = "start over with --fresh, or move the checkpoint out of the run folder"
+    import zipfile
+    if path.is_file() and not zipfile.is_zipfile(path):   # torch.save writes a zip archive; a bare pickle is refused
+        raise ValueError(f"{path}: refused: not a trainer state written by opsd (not a torch zip archive; a plain "
+                         f"pickle could run code); {fix}")
+    try: st = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path}: refused: loading it would run pickled Python code (a checkpoint of an older opsd, "
+                         f"or a crafted file); only tensors and plain values are loaded; {fix}") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"{path}: not a readable checkpoint ({str(e).splitlines()[0]}); {fix}") from None
+    if not isinstance(st, dict) or st.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: not an opsd trainer state of format {CHECKPOINT_FORMAT}; {fix}")
+    return st
+
 def load_checkpoint(path, model, optimizer, scheduler, teacher: Teacher) -> int:
-    "Restore a checkpoint in place; returns its step."
+    "Restore a checkpoint in place (nothing is changed when its trainer state is refused); returns its step."
     from peft.utils import set_peft_model_state_dict
     from safetensors.torch import load_file
     path = Path(path)
     if not (path / "trainer_state.pt").exists():
         raise FileNotFoundError(f"{path}: a checkpoint without trainer_state.pt (an adapter only, not written by the "
                                 "trainer) cannot be resumed; move it out of the run folder or start a fresh run")
+    st = read_trainer_state(path / "trainer_state.pt")
     set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")))
-    st = torch.load(path / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(st["optimizer"]); scheduler.load_state_dict(st["scheduler"])
     teacher.load_state_dict(st["teacher"])
     _set_rng_state(st["rng"])
@@ -389,6 +462,7 @@ class OPSDTrainer:
                 ):
         from accelerate import Accelerator
         if not problems: raise ValueError("no problems to train on")
+        pin_numerics()   # torch's and MKL's AVX2 kernels on every x86 CPU, unless the environment says otherwise
         self.cfg, self.problems, self.grader, self.progress = cfg, list(problems), grader, progress
         world = accelerator.num_processes if accelerator is not None else int(os.environ.get("WORLD_SIZE", 1))
         if cfg.batch_size % world:
@@ -398,10 +472,15 @@ class OPSDTrainer:
         if self.acc.gradient_accumulation_steps != self.accum:
             raise ValueError(f"the accelerator accumulates {self.acc.gradient_accumulation_steps} micro-batches; "
                              f"this config needs {self.accum}")
+        if self.acc.device.type == "cpu" and cfg.cpu_threads: torch.set_num_threads(cfg.cpu_threads)
         self.run = RunDir(cfg.run_dir); self.run_dir = self.run.path; self.name = cfg.name or self.run_dir.name
-        torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed)
         self.model_path = model_path or cfg.model
-        base, self.tok = load_model(self.model_path, cfg.dtype)
+        self.tok = load_tokenizer(self.model_path)
+        self.prompt_cfg = prompt_config or PromptConfig(**cfg.prompt)
+        self._prompt_cache: dict[int, tuple[list[int], list[int]]] = {}
+        self.check_context()   # prompts that do not fit the model are refused before the model loads
+        torch.manual_seed(cfg.seed); random.seed(cfg.seed); np.random.seed(cfg.seed)
+        base, _ = load_model(self.model_path, cfg.dtype)
         set_checkpointing(base, cfg.checkpointing)
         self.sharded = self.acc.distributed_type.name in ("FSDP", "DEEPSPEED")
         if cfg.fused and self.sharded:
@@ -410,17 +489,15 @@ class OPSDTrainer:
         model = add_lora(base, cfg).to(self.acc.device)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.eos_id = self.tok.eos_token_id
-        self.prompt_cfg = prompt_config or PromptConfig(**cfg.prompt)
         optimizer = torch.optim.AdamW([p for _, p in trainable(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)   # DDP / FSDP / DeepSpeed per launch config
         self.scheduler = _scheduler(self.optimizer, cfg)                   # stepped once per optimizer step by us
         self.teacher = Teacher(self.unwrapped, cfg.teacher, cfg.ema_decay, cfg.ema_start)
         self.sampling = SamplingConfig(temperature=cfg.sample_temperature, top_p=cfg.top_p, top_k=cfg.sample_top_k,
                                        max_new_tokens=cfg.max_completion_length, seed=cfg.seed)
-        self._prompt_cache: dict[int, tuple[list[int], list[int]]] = {}
         self.rollout = rollout if rollout is not None else self._make_rollout()
         if rollout is not None: self.sync()   # a shared engine may hold another run's student: load ours first
-        self.step_done = 0
+        self.step_done, self.resumed_from = 0, None
         self._pending, self._side_stream = None, None   # async_rollout: the rollout of the next step; its CUDA stream
 
     @property
@@ -439,21 +516,29 @@ class OPSDTrainer:
                             gpu_memory_utilization=self.cfg.vllm_memory, sleep=self.cfg.vllm_sleep, seed=self.cfg.seed,
                             progress=False, merged=True)
 
+    def prompts(self, i: int) -> tuple[list[int], list[int]]:
+        "Student and teacher prompt ids of problem i (cached)."
+        if i not in self._prompt_cache:
+            r = self.problems[i]
+            self._prompt_cache[i] = (student_prompt_ids(self.tok, r["problem"], self.prompt_cfg),
+                                     teacher_prompt_ids(self.tok, r["problem"], r["solution"], self.prompt_cfg))
+        return self._prompt_cache[i]
+
+    def check_context(self):
+        "Refuse problems whose student or teacher prompt plus max_completion_length exceeds the model's context."
+        from transformers import AutoConfig
+        limit = model_context(AutoConfig.from_pretrained(str(self.model_path)))
+        where = self.cfg.data or getattr(self.problems, "source", "") or "the problems"
+        ids = [r.get("id", i) for i, r in enumerate(self.problems)]
+        for k, what in enumerate(("student prompt", "teacher prompt")):
+            check_context([self.prompts(i)[k] for i in range(len(self.problems))], budget=self.cfg.max_completion_length,
+                          limit=limit, where=where, ids=ids, what=what)
+
     def sync(self):
         "Weight sync to the rollout engine (vLLM: the merged student; HF: the merged copy)."
         self.rollout.sync_weights(self.unwrapped)
 
-
 # %% ../nbs/06_train.ipynb #7a98ecf3
-@patch
-def prompts(self: OPSDTrainer, i: int) -> tuple[list[int], list[int]]:
-    "Student and teacher prompt ids of problem i (cached)."
-    if i not in self._prompt_cache:
-        r = self.problems[i]
-        self._prompt_cache[i] = (student_prompt_ids(self.tok, r["problem"], self.prompt_cfg),
-                                 teacher_prompt_ids(self.tok, r["problem"], r["solution"], self.prompt_cfg))
-    return self._prompt_cache[i]
-
 @patch
 def step_indices(self: OPSDTrainer, step: int) -> list[int]:
     "The problems of an optimizer step: seeded by (seed, step), the same in a resumed run."
@@ -466,7 +551,6 @@ def plan(self: OPSDTrainer, step: int) -> StepPlan:
     "All problem indices of the step and this process's share."
     idx = self.step_indices(step)
     return StepPlan(step, idx, idx[self.acc.process_index::self.acc.num_processes])
-
 
 # %% ../nbs/06_train.ipynb #2abc6a28
 @patch
@@ -644,11 +728,41 @@ def _keep_positions(self: OPSDTrainer, step: int, back: BackwardResult):
 
 
 # %% ../nbs/06_train.ipynb #50843787
+RESUME_MAY_DIFFER = ("run_dir", "save_every")   # where the folder is, where checkpoints fall: no number changes
+
+def _plain(d: dict) -> dict: return json.loads(json.dumps(d, default=str))   # as config.json holds it
+
+def config_differences(old: dict, # a saved config.json
+                       new: dict, # `OPSDConfig.to_dict()` of the new run
+                      ) -> dict: # field -> (old, new)
+    "The fields on which two configs give different results (RESUME_MAY_DIFFER aside; absent = the default)."
+    defaults, old, new = _plain(OPSDConfig().to_dict()), _plain(old), _plain(new)
+    out = {k: (old.get(k, d), new.get(k, d)) for k, d in defaults.items()
+           if k not in RESUME_MAY_DIFFER and old.get(k, d) != new.get(k, d)}
+    if "steps" in out and old.get("scheduler") == new.get("scheduler") == "constant": del out["steps"]
+    return out
+
+def check_run_config(run_dir, cfg: OPSDConfig):
+    "Refuse to resume `run_dir` with `cfg` when its saved config differs on a field that changes results."
+    rd = RunDir(run_dir)
+    fix = "--fresh starts over, or choose another --out"
+    if not rd.config_path.exists():
+        if (rd.metrics_path.exists() and rd.metrics_path.stat().st_size) or rd.checkpoints():
+            raise ValueError(f"run folder {rd.path} holds metrics or checkpoints but no config.json, so which config "
+                             f"wrote them is unknown; {fix}")
+        return
+    diff = config_differences(rd.read_config(), cfg.to_dict())
+    if diff:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"run folder {rd.path} holds a run with another config ({listed}); {fix}")
+
 @patch
 def resume(self: OPSDTrainer) -> int:
-    "Restore the latest checkpoint of the run folder, if any; metrics rows after it are dropped."
-    ck = self.run.latest_checkpoint()
-    if ck is None: return 0
+    "Restore the latest checkpoint of the run folder; rows after it are dropped (all of them when there is none)."
+    ck = self.resumed_from = self.run.latest_checkpoint()
+    if ck is None:
+        if self.acc.is_main_process: self.run.truncate_after(0)   # died before its first checkpoint: start again
+        return 0
     self.step_done = load_checkpoint(ck, self.unwrapped, self.optimizer, self.scheduler, self.teacher)
     if self.acc.is_main_process: self.run.truncate_after(self.step_done)
     if self.cfg.async_rollout and self.step_done < self.cfg.steps: self._pending = self._regenerate_pending(ck)
@@ -663,18 +777,44 @@ def save(self: OPSDTrainer, step: int):
         save_checkpoint(self.run_dir, step, self.unwrapped, self.optimizer, self.scheduler, self.teacher, pend)
     self.acc.wait_for_everyone()
 
+def base_fingerprint(path) -> str | None:
+    "The weights fingerprint of a local from_pretrained folder with safetensors (None for a hub name or no such files)."
+    p = Path(str(path))
+    return weights_fingerprint(p) if p.is_dir() and any(p.glob("*.safetensors")) else None
+
+@patch
+def start_record(self: OPSDTrainer, start: int, fresh: bool) -> dict:
+    "The starts.jsonl row of this start: when, from where, and what besides the seed the result depends on."
+    ck = self.resumed_from
+    return dict(time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), start_step=start,
+                resumed_from=str(ck.relative_to(self.run_dir)) if ck is not None else None, fresh=fresh,
+                model=str(self.model_path), base_fingerprint=base_fingerprint(self.model_path),
+                processes=self.acc.num_processes, device=str(self.acc.device), environment=environment())
+
 def _main_thread():
     import threading
     return threading.current_thread() is threading.main_thread()
 
 @patch
 def fit(self: OPSDTrainer, resume: bool = True, stop_after: int | None = None) -> Path:
-    "Train to cfg.steps (resuming from the latest checkpoint); SIGINT saves a checkpoint, then exits."
+    "Train to cfg.steps, resuming from the latest checkpoint (resume=False: clear the folder first); one writer."
+    main = self.acc.is_main_process
+    self.run.make()
+    with folder_lock(self.run_dir, "run folder", wait=False) if main else nullcontext():
+        if resume: check_run_config(self.run_dir, self.cfg)   # every process reads; nothing is written yet
+        self.acc.wait_for_everyone()
+        if not resume and main: self.run.clear()
+        start = self.resume() if resume else 0
+        if main:   # only now, after every check and the checkpoint's load, the record changes
+            self.run.write_config(self.cfg.to_dict())
+            self.run.append_start(self.start_record(start, fresh=not resume))
+        return self._loop(start, stop_after)
+
+@patch
+def _loop(self: OPSDTrainer, start: int, stop_after: int | None) -> Path:
+    "Steps start+1 .. cfg.steps (or stop_after): one metrics row each, checkpoints; SIGINT saves, then exits."
     from tqdm.auto import tqdm
     cfg = self.cfg
-    if self.acc.is_main_process: self.run.write_config(cfg.to_dict())
-    start = self.resume() if resume else 0
-    if not resume and self.acc.is_main_process: self.run.clear()
     interrupted = {"flag": False}
     def on_sigint(signum, frame):
         if interrupted["flag"]: raise KeyboardInterrupt
@@ -692,6 +832,7 @@ def fit(self: OPSDTrainer, resume: bool = True, stop_after: int | None = None) -
             if self.acc.is_main_process:
                 self.run.append_metrics(row)
                 if self._positions: self.run.append_positions(self._positions)
+                _test_pause("step", step)
             acc = "-" if row["sampled_acc"] is None else f"{row['sampled_acc']:.2f}"
             bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row['kl/true']:.4f}",
                             argmax_clip=f"{row['entry/argmax_clipped_frac']:.2f}", acc=acc)
@@ -711,7 +852,6 @@ def train(cfg: OPSDConfig, problems: Sequence[dict] | None = None, resume: bool 
             raise ValueError("no problems: pass `problems` or set cfg.data (the CLI's default is the toy world)")
         problems = load_problems(cfg.data)
     return OPSDTrainer(cfg, problems, **kw).fit(resume=resume)
-
 
 # %% ../nbs/06_train.ipynb #a5f1c002
 @dataclass
