@@ -225,9 +225,11 @@ def eval_prompt_ids(tokenizer, problems, prompt_fn: Callable | None = None, prom
 
 def eval_backend(backend, model, tokenizer, model_path=None, max_model_len: int | None = None, seed: int = 0,
                  vllm_memory: float = 0.5, batch_size: int = 64, progress: bool = False):
-    "A rollout backend for evaluation: `backend` itself when it has `.generate`, else `make_rollout(backend, ...)`."
+    "A rollout backend for evaluation: `backend` if it has `.generate`, `backend()` if callable, else `make_rollout`."
     if hasattr(backend, "generate"):
         return backend
+    if callable(backend):
+        return backend()
     from opsd.rollout import make_rollout
 
     t0 = time.perf_counter()
@@ -697,19 +699,29 @@ def eval_runs(
     name = backend if isinstance(backend, str) else None
     dev = "cuda" if name is not None and resolve_backend(name) == "vllm" else None
     base, tok = load_model(path, dtype or cfgs[0].get("dtype", "bfloat16"), device=dev)
-    ro = backend
     budget = max_new_tokens or (eval_kw.get("sampling") or default_eval_sampling()).max_new_tokens
-    for r, cfg in zip(runs, cfgs):
+    plans = []
+    for r, cfg in zip(runs, cfgs):  # every run's problems and prompts checked before anything is evaluated
         probs = problems(cfg) if callable(problems) else problems
         pc = prompt_cfg(cfg) if callable(prompt_cfg) else (prompt_cfg or PromptConfig(**(cfg.get("prompt") or {})))
+        if len(probs) == 0:
+            raise ValueError(f"eval_runs: no problems to evaluate {r.path} on")
         _check_problems(probs)
-        ids = eval_prompt_ids(tok, probs, None, pc)
+        ids = eval_prompt_ids(tok, probs, eval_kw.get("prompt_fn"), pc)
         check_context(ids, budget, model_context(base), getattr(probs, "source", None) or f"evaluation problems of "
-                      f"{r.path}", ids=_unique_ids(probs), what="student prompt")  # before an engine is built
-        if isinstance(ro, str):
-            ro = eval_backend(ro, base, tok, path, max(map(len, ids)) + budget, seeds[0], vllm_memory,
-                              eval_kw.get("batch_size") or 64, progress)
-        sweep_checkpoints(r.path, base, tok, probs, k=k, seeds=seeds, steps=steps, backend=ro,
+                      f"{r.path}", ids=_unique_ids(probs), what="student prompt")
+        plans.append((r, probs, pc, max(map(len, ids))))
+    engine = [backend]
+
+    def get_engine():  # one engine for every run, made when a block is first to be evaluated (not for done runs)
+        if isinstance(engine[0], str):
+            engine[0] = eval_backend(engine[0], base, tok, path, max(p[3] for p in plans) + budget, seeds[0],
+                                     vllm_memory, eval_kw.get("batch_size") or 64, progress)
+        return engine[0]
+
+    for r, probs, pc, _ in plans:
+        sweep_checkpoints(r.path, base, tok, probs, k=k, seeds=seeds, steps=steps,
+                          backend=get_engine if isinstance(backend, str) else backend,
                           max_new_tokens=max_new_tokens, model_path=path,
                           progress=progress, grade_mode=grade_mode, prompt_cfg=pc, **eval_kw)
     rows = pl.concat([read_eval(r.path) for r in runs], how="diagonal_relaxed")

@@ -357,7 +357,7 @@ def test_backends_on_cpu(tiny):
         evaluate(model, tok, PROBLEMS, backend="vllm", max_new_tokens=4)
 
 
-def test_eval_runs_one_backend(tiny, tmp_path):
+def test_eval_runs_one_backend(tiny, tmp_path, monkeypatch):
     # eval_runs (what `opsd eval` runs): base model from the run config, every run and checkpoint, summary back
     from peft import LoraConfig, get_peft_model
 
@@ -389,6 +389,16 @@ def test_eval_runs_one_backend(tiny, tmp_path):
     assert set(ra.filter(pl.col("step") == 3)["key_weights"].to_list()) == \
         {weights_fingerprint(runs[0] / "checkpoints" / "step-3" / "adapter_model.safetensors")}
     assert set(ra["setting"].to_list()) == set(read_eval(runs[1])["setting"].to_list())
+    # done runs start no engine (a vLLM engine costs about a minute): the same call again makes no backend
+    # (break that made it fail: the engine made before the sweeps, as before -> 'an engine was made')
+    import opsd.rollout
+
+    def no_engine(*a, **k):
+        raise AssertionError("an engine was made for runs with nothing to evaluate")
+    monkeypatch.setattr(opsd.rollout, "make_rollout", no_engine)
+    again = eval_runs(runs, lambda cfg: PROBLEMS, k=2, seeds=(0, 1), backend="hf", max_new_tokens=4,
+                      grade_mode="exact", extract_fn=RAW, progress=False)
+    assert again.equals(s)
     other = RunDir(tmp_path / "c"); other.write_config(dict(model="elsewhere"))
     with pytest.raises(ValueError, match="different base models"):
         eval_runs(runs + [other.path], PROBLEMS)
