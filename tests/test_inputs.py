@@ -123,6 +123,11 @@ ROWS = [
     ("eval-not-a-run-folder", lambda c: ["eval", str(c.tmp)], "no config.json"),
     ("eval-missing-data-file", lambda c: ["eval", str(c.run), "--data", str(c.tmp / "nope.jsonl")], "nope.jsonl"),
     ("eval-missing-base-model", _base_moved_away, "its model"),
+    ("eval-prompt-too-long", lambda c: ["eval", str(c.run), "--n", "2", "--max-new-tokens", "8", "--quiet", "--data", str(write(
+        c, "long.jsonl", json.dumps(LONG) + "\n"))], ("do not fit the model's context", "with 8 completion tokens")),
+    ("eval-missing-checkpoint-step", lambda c: ["eval", str(c.run), "--n", "2", "--max-new-tokens", "8", "--steps", "7",
+                                               "--quiet"],
+     "no checkpoint for steps [7]"),
     ("report-missing-run-folder", lambda c: ["report", str(c.tmp / "no-such-run"), "--out", str(c.tmp / "rep")],
      "no-such-run is not a run folder"),
 ]

@@ -132,3 +132,19 @@ def test_check_model_refuses_missing_local_folders(tiny_ckpt, tmp_path, monkeypa
             resolve_world(name).check_model(what="--model")
     with pytest.raises(FileNotFoundError, match=r"^run folder r: its model \./nope: no such model folder"):
         resolve_world("./nope").check_model(what="run folder r: its model")
+
+
+def test_toy_eval_budget_fits_the_toy_context():
+    """`opsd eval` of a toy run with the world's defaults: every held-out prompt plus the completion budget fits the
+    toy base's 512 positions (opsd.eval refuses what does not). Break: the toy's eval max_new_tokens left None (the
+    eval sampling's 1024) -> 1024 + prompt > 512."""
+    from opsd.data import check_context
+    from opsd.eval import eval_prompt_ids
+    from opsd.data import model_context
+    from opsd.toy import toy_model, toy_tokenizer
+    w, tok = resolve_world("toy"), toy_tokenizer()
+    budget = w.eval["max_new_tokens"]
+    assert budget == OPSDConfig.toy().max_completion_length  # the training budget of the toy preset
+    context = model_context(toy_model(toy_config("soft", **SMALL_TOY), tok))  # the positions opsd.toy builds with
+    ids = eval_prompt_ids(tok, w.problems(w.eval["n"], seed=10_000, split="test"), None, w.prompt_config())
+    check_context(ids, budget, context, "toy held-out set")
