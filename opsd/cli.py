@@ -290,7 +290,7 @@ def main(argv=None):
     a = parser().parse_args(argv)
     try:
         _check_args(a)
-        return a.fn(a)
+        a.fn(a)  # (nothing returned: the console script's sys.exit(main()) would print a value and exit 1)
     except KeyboardInterrupt:
         print(f"opsd {a.cmd}: interrupted", file=sys.stderr); raise SystemExit(130)
     except Exception as e:

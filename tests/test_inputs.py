@@ -47,7 +47,8 @@ def base_run(tiny_ckpt, toy_data_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("base")
     c = SimpleNamespace(ckpt=tiny_ckpt, data=toy_data_file, run=root / "run")
     saved = {k: os.environ.get(k) for k in NUMERIC_PINS}
-    try: cli.main(train_argv(c))
+    try:  # None: the console script is sys.exit(main()), and a returned value would print and exit 1
+        assert cli.main(train_argv(c)) is None
     finally:
         for k, v in saved.items():
             if v is None: os.environ.pop(k, None)
