@@ -92,74 +92,78 @@ def assert_same_run(got: dict, want: dict):
 
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt, toy_data_file, tmp_path_factory) -> dict:
-    "An uninterrupted run of the same config and seed."
-    run_dir = tmp_path_factory.mktemp("ref") / "run"
-    ok(config(tiny_ckpt, toy_data_file, run_dir))
-    st = state(run_dir)
-    assert len(st["positions"]) == STEPS and st["checkpoints"] == ["step-2", "step-4", "step-6"]
-    return st
-
-
-@pytest.mark.parametrize("pause, left", [("step:3", (3, "step-2")),       # between checkpoints
-                                         ("save:4", (4, "step-2")),       # while step-4's checkpoint is written
-                                         ("step:1", (1, None))],          # before the first checkpoint
-                         ids=["between-checkpoints", "during-checkpoint-write", "before-first-checkpoint"])
-def test_kill_9_then_same_command_equals_uninterrupted(tiny_ckpt, toy_data_file, reference, tmp_path, pause, left):
-    """kill -9 at a point of the loop, then the same command: metrics, positions and the final adapter equal the
-    uninterrupted run, each step once. Breaks that made it fail: resume without truncation when no checkpoint exists
-    (before-first-checkpoint: steps 1,1,2,...); `save_checkpoint` writing straight into step-N instead of a temporary
-    folder (during-checkpoint-write: a step-4 without trainer_state.pt is taken as the latest checkpoint and resume
-    fails); `truncate_after` skipped on resume (between-checkpoints: step 3 twice)."""
-    cfg, mark = config(tiny_ckpt, toy_data_file, tmp_path / "run"), tmp_path / "paused"
-    p = start(cfg, pause=pause, mark=mark)
-    wait_for(p, mark)
-    p.send_signal(signal.SIGKILL); p.wait(timeout=60); p.stderr.close(); p.stdout.close()
-    rd = RunDir(cfg["run_dir"])
-    rows, latest = left
-    assert [r["step"] for r in jsonl_rows(rd.metrics_path)] == list(range(1, rows + 1))
-    assert (rd.latest_checkpoint().name if rd.latest_checkpoint() else None) == latest
-    if pause.startswith("save"): assert (rd.checkpoints_dir / "step-4.tmp" / "trainer_state.pt").exists()
-    ok(cfg)                                                                      # the same command again
-    assert_same_run(state(rd.path), reference)
-    starts = rd.starts()
-    assert [(s["start_step"], s["resumed_from"]) for s in starts] == [
-        (0, None), (int(latest.split("-")[1]) if latest else 0, f"checkpoints/{latest}" if latest else None)]
-    assert not (rd.checkpoints_dir / "step-4.tmp").exists()
-
-
-def test_second_writer_is_refused(tiny_ckpt, toy_data_file, reference, tmp_path):
-    """Two processes on one run folder: the second is refused with a message naming the folder and the holder's pid,
-    the first finishes, and every row is written once. Break that made it fail: `fit` without `folder_lock` (the
-    second process trains too and every step is written twice)."""
-    cfg, mark = config(tiny_ckpt, toy_data_file, tmp_path / "run"), tmp_path / "paused"
+    """An uninterrupted run of the config; while it is paused after step 1 (which changes no number), a second process
+    on the same folder tries to start (checked in `test_second_writer_is_refused`)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    cfg, mark = config(tiny_ckpt, toy_data_file, tmp / "run"), tmp / "paused"
     first = start(cfg, pause="step:1", mark=mark)
     wait_for(first, mark)                                    # the first holds the folder, paused after step 1
     second = run(cfg)
-    assert second.returncode != 0
-    assert "run folder is being written by another opsd process (pid" in second.stderr, second.stderr[-2000:]
-    assert f"pid {first.pid} since" in second.stderr
     mark.unlink()                                            # let the first go on
     out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err[-2000:]
-    assert_same_run(state(tmp_path / "run"), reference)
-    assert len(RunDir(tmp_path / "run").starts()) == 1       # the refused process wrote nothing
+    assert first.returncode == 0, err[-3000:]
+    st = state(tmp / "run")
+    assert len(st["positions"]) == STEPS and st["checkpoints"] == ["step-2", "step-4", "step-6"]
+    return dict(st, second=second, first_pid=first.pid, run_dir=tmp / "run")
 
 
-def test_disk_full_then_same_command_resumes(tiny_ckpt, toy_data_file, reference, tmp_path):
+def test_second_writer_is_refused(reference):
+    """Two processes on one run folder: the second is refused with a message naming the folder and the holder's pid,
+    the first finishes, and every row is written once. Break that made it fail: `fit` without `folder_lock` (the
+    second process trains too: rc 0, and steps 2.. are written twice)."""
+    second = reference["second"]
+    assert second.returncode != 0
+    assert f"{reference['run_dir']}: run folder is being written by another opsd process (pid {reference['first_pid']} " \
+        "since" in second.stderr, second.stderr[-2000:]
+    assert [r["step"] for r in reference["metrics"]] == list(range(1, STEPS + 1))
+    assert len(RunDir(reference["run_dir"]).starts()) == 1       # the refused process wrote nothing
+
+
+def test_kill_9_then_same_command_equals_uninterrupted(tiny_ckpt, toy_data_file, reference, tmp_path):
+    """kill -9 before the first checkpoint, then between checkpoints, then during a checkpoint write, each followed by
+    the same command: the end result (metrics, positions, final adapter) equals the uninterrupted run bit for bit,
+    each step once. Breaks that made it fail: resume without truncation when no checkpoint exists (steps 1, 1, 2, ..
+    after the first kill); `truncate_after` skipped on resume (step 3 twice); `save_checkpoint` writing straight into
+    step-N instead of a temporary folder (after the third kill a step-4 without trainer_state.pt is the latest
+    checkpoint and the resume fails)."""
+    cfg, mark = config(tiny_ckpt, toy_data_file, tmp_path / "run"), tmp_path / "paused"
+    rd = RunDir(cfg["run_dir"])
+    for pause, rows, latest in [("step:1", 1, None),            # before the first checkpoint (at step 2)
+                                ("step:3", 3, "step-2"),        # between checkpoints
+                                ("save:4", 4, "step-2")]:       # while step-4's checkpoint is being written
+        p = start(cfg, pause=pause, mark=mark)
+        wait_for(p, mark)
+        p.send_signal(signal.SIGKILL); p.wait(timeout=60); p.stderr.close(); p.stdout.close(); mark.unlink()
+        assert [r["step"] for r in jsonl_rows(rd.metrics_path)] == list(range(1, rows + 1)), pause
+        assert (rd.latest_checkpoint().name if rd.latest_checkpoint() else None) == latest, pause
+    assert (rd.checkpoints_dir / "step-4.tmp" / "trainer_state.pt").exists()   # the kill landed inside the save
+    ok(cfg)                                                                      # the same command, to the end
+    got = state(rd.path)
+    assert_same_run(got, reference)
+    assert [(s["start_step"], s["resumed_from"]) for s in rd.starts()] == [
+        (0, None), (0, None), (2, "checkpoints/step-2"), (2, "checkpoints/step-2")]
+    assert not (rd.checkpoints_dir / "step-4.tmp").exists()
+
+
+def test_disk_full_then_same_command_resumes(reference, tmp_path):
     """A real write failure (RLIMIT_FSIZE: EFBIG, handled as ENOSPC) while appending a metrics row, then while
     writing a checkpoint: each a one-line error naming the file or checkpoint and what is intact; nothing partial is
     left (no torn row, no step-N.tmp); the previous checkpoint loads, and the same command without the limit ends
     equal to the uninterrupted run. Breaks that made it fail: `save_checkpoint` without its except clause (torch's
     `RuntimeError: [enforce fail at inline_container.cc] unexpected pos`, and step-6.tmp left behind);
     `append_jsonl` not cutting the file back (a partial row 5)."""
-    cfg = config(tiny_ckpt, toy_data_file, tmp_path / "run")
-    rd = RunDir(cfg["run_dir"])
-    ok(cfg, stop_after=4)
+    import shutil
+    shutil.copytree(reference["run_dir"], tmp_path / "run")      # a run folder whose latest checkpoint is step-4
+    rd = RunDir(tmp_path / "run")
+    shutil.rmtree(rd.checkpoints_dir / "step-6"); rd.truncate_after(4); (rd.path / ".opsd.lock").unlink()
+    cfg = {**rd.read_config(), "run_dir": str(rd.path)}
+    cfg = {k: v for k, v in cfg.items() if k in config("", "", "")}
     # 1. a metrics row: the file may grow by less than a row
     size = rd.metrics_path.stat().st_size
     r = run(cfg, fsize=size + 300)
     assert r.returncode != 0
-    assert f"disk full while writing {rd.metrics_path} (File too large); its earlier rows are intact" in r.stderr
+    assert f"disk full while writing {rd.metrics_path} (File too large); its earlier rows are intact" in r.stderr, \
+        r.stderr[-2000:]
     assert rd.metrics_path.stat().st_size == size and [x["step"] for x in strict_rows(rd.metrics_path)] == [1, 2, 3, 4]
     # 2. a checkpoint: the adapter (53 KB) fits, trainer_state.pt (195 KB) does not
     r = run(cfg, fsize=100_000)
@@ -170,5 +174,4 @@ def test_disk_full_then_same_command_resumes(tiny_ckpt, toy_data_file, reference
     assert sorted(p.name for p in rd.checkpoints_dir.iterdir()) == ["step-2", "step-4"]   # no step-6.tmp
     ok(cfg)                                                                         # space again: it resumes
     assert_same_run(state(rd.path), reference)
-    assert [s["resumed_from"] for s in rd.starts()] == [None, "checkpoints/step-4", "checkpoints/step-4",
-                                                         "checkpoints/step-4"]
+    assert [s["resumed_from"] for s in rd.starts()] == [None] + ["checkpoints/step-4"] * 3
