@@ -245,14 +245,22 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryEr
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 _OPSD_DIR = Path(sys.modules["opsd"].__file__).resolve().parent  # opsd's own source files
 
+def _is_opsd_raise(file: str, line: str) -> bool:
+    "Whether source `line` of `file` is a `raise` statement in opsd's own code."
+    return Path(file).resolve().parent == _OPSD_DIR and "raise " in line
+
 def _raised_in_opsd(e: BaseException) -> bool:
     "Whether a `raise` statement in opsd's own code raised it (not a failed lookup or a library's check: a bug)."
-    import linecache
+    import linecache, re
+    c = e.__cause__
+    if type(c).__name__ == "_RemoteTraceback":  # raised in a worker process (the toy demo's pool): its traceback text
+        frames = re.findall(r'File "([^"]+)", line \d+, in [^\n]*\n([^\n]*)', str(c))
+        return bool(frames) and _is_opsd_raise(*frames[-1])
     tb, last = e.__traceback__, None
     while tb is not None: last, tb = tb, tb.tb_next
     if last is None: return False
     file = last.tb_frame.f_code.co_filename
-    return Path(file).resolve().parent == _OPSD_DIR and "raise " in linecache.getline(file, last.tb_lineno)
+    return _is_opsd_raise(file, linecache.getline(file, last.tb_lineno))
 
 def _message(e: BaseException) -> str:
     if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str): return e.args[0]
@@ -264,14 +272,17 @@ def is_user_error(e: BaseException) -> bool:
     if isinstance(e, OSError) and e.errno in DISK_FULL: return True
     if not isinstance(e, USER_ERRORS) or not _message(e).strip(): return False
     c = e.__cause__
-    if c is not None and not (isinstance(c, OSError) and c.errno in DISK_FULL) and not isinstance(c, USER_ERRORS):
+    remote = type(c).__name__ == "_RemoteTraceback"
+    if c is not None and not remote and not (isinstance(c, OSError) and c.errno in DISK_FULL) \
+            and not isinstance(c, USER_ERRORS):
         return False  # an opsd message over a bug underneath (e.g. a failed rollout): the traceback shows it
     return (isinstance(e, OSError) and e.filename is not None) or _raised_in_opsd(e)
 
 def error_line(e: BaseException) -> str:
     "The one-line message of a user error (the cause added when the message does not already say it)."
     msg, c = _message(e), e.__cause__
-    if c is not None and _message(c) not in msg: msg += f" ({type(c).__name__}: {_message(c)})"
+    if c is not None and type(c).__name__ != "_RemoteTraceback" and _message(c) not in msg:
+        msg += f" ({type(c).__name__}: {_message(c)})"
     if isinstance(e, OSError) and e.errno in DISK_FULL and "disk" not in msg.lower():
         msg += " (the disk is full: free space, then run the same command again)"
     return " ".join(line.strip() for line in msg.splitlines() if line.strip())

@@ -223,3 +223,23 @@ def test_opsd_pins_the_arithmetic_before_torch_computes(tmp_path):
             "except SystemExit: pass\nprint(torch.backends.cpu.get_cpu_capability())")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.stdout.strip() == "AVX2", r.stdout + r.stderr[-2000:]
+
+
+def test_bad_input_in_a_worker_process_is_one_line(monkeypatch, capsys):
+    """The toy demo trains in a process pool: an opsd refusal raised in a worker (here an unknown toy world) is one line
+    too, a bug in a worker keeps its traceback. Break: _raised_in_opsd without the _RemoteTraceback branch -> the
+    worker's ValueError shows a traceback (the innermost local frame is concurrent.futures)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    from opsd.demo import job_config
+    from opsd.worlds import resolve_world
+
+    def in_worker(fn, *args):
+        with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+            return ex.submit(fn, *args).result()
+    with pytest.raises(SystemExit) as e:
+        cli.main(_report_runs(monkeypatch, lambda: in_worker(resolve_world, "toy:bogus")))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == "opsd: error: unknown toy world 'toy:bogus'; choose from toy:copy, toy:soft"
+    with pytest.raises(KeyError):
+        cli.main(_report_runs(monkeypatch, lambda: in_worker(job_config, {})))
