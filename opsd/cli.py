@@ -264,7 +264,8 @@ def _raised_in_opsd(e: BaseException) -> bool:
 
 def _message(e: BaseException) -> str:
     if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str): return e.args[0]
-    if isinstance(e, OSError) and e.filename is not None and e.strerror: return f"{e.filename}: {e.strerror}"
+    if isinstance(e, OSError) and e.strerror:  # without the "[Errno 28]" prefix
+        return f"{e.filename}: {e.strerror}" if e.filename is not None else e.strerror
     return str(e)
 
 def is_user_error(e: BaseException) -> bool:

@@ -203,7 +203,13 @@ def test_disk_full_is_one_line(monkeypatch, capsys):
         cli.main(_report_runs(monkeypatch, fill))
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("opsd: error:") and "disk is full" in err and "\n" not in err
-    assert errno.ENOSPC in cli.DISK_FULL
+    assert "[Errno" not in err and errno.ENOSPC in cli.DISK_FULL
+    from opsd.runs import full_error  # the trainer's disk-full error (opsd.runs): its message as it is, one line
+    def full(): raise full_error("checkpoint step-2", "No space left on device", "step-1 is intact")
+    with pytest.raises(SystemExit):
+        cli.main(_report_runs(monkeypatch, full))
+    assert capsys.readouterr().err == ("opsd: error: disk full while writing checkpoint step-2 (No space left on "
+                                       "device); step-1 is intact; free some space, then run the same command again\n")
 
 
 def test_interrupt_is_exit_130(monkeypatch, capsys):
