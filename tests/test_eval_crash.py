@@ -1,6 +1,6 @@
 """Crash safety of `opsd eval`, tested by killing: a real `opsd eval` subprocess (tiny Qwen3, HF backend) is killed
 with SIGKILL mid-sweep, then the same command runs again: eval.jsonl has no repeated or torn rows and equals, row for
-row and value for value, the file of an uninterrupted sweep of the same command."""
+row and value for value, the file of an uninterrupted sweep of the same command. Two at once: the second waits."""
 import copy
 import json
 import os
@@ -117,3 +117,16 @@ def test_kill_inside_a_write_then_same_command(pristine, reference, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "rows of incomplete blocks" in r.stderr and "torn last line" in r.stderr
     check_file(run, reference)
+
+
+def test_two_evals_of_one_run_at_once(pristine, reference, tmp_path):
+    """Two `opsd eval` processes of one run started together: the second waits for the evaluation log's lock, then
+    finds every block done; the file equals the uninterrupted one. Break that made it fail: sweep_checkpoints without
+    folder_lock -> both evaluated every block: 1344 rows instead of 672."""
+    run = copy_run(pristine, tmp_path / "run")
+    procs = [subprocess.Popen(eval_cmd(run), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
+    check_file(run, reference)
+    assert sum("waiting for another process" in e for e in errs) == 1  # they did overlap: one waited
