@@ -48,7 +48,9 @@ CASES = {  # name: (environment, caller's torch threads, mode)
 
 
 def test_same_numbers_on_any_thread_setting_and_after_resume(tmp_path):
-    base_env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    from opsd.repro import NUMERIC_PINS
+    drop = {"OMP_NUM_THREADS", "MKL_NUM_THREADS", *NUMERIC_PINS}   # a user's shell: opsd must pin the arithmetic itself
+    base_env = {k: v for k, v in os.environ.items() if k not in drop}
     procs = {}
     for name, (env, threads, mode) in CASES.items():
         procs[name] = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / name), mode, str(threads)],
