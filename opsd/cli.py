@@ -12,7 +12,7 @@ import polars as pl
 from .repro import pin_numerics
 from .loss import CLIP_MODES
 from .collate import PAD_MODES
-from .train import OPSDConfig, OPSDTrainer
+from .train import OPSDConfig, OPSDTrainer, read_yaml
 from .runs import load_model
 from .train import TEACHER_MODES, SCHEDULERS, ROLLOUTS, OBJECTIVES, NORMALIZE, EMA_STARTS, DTYPES
 from .runs import read_metrics, read_config
@@ -60,18 +60,8 @@ def _yaml_problem(e) -> str:
     return " ".join(str(getattr(e, "problem", None) or e).split())
 
 def read_config_file(path) -> dict:
-    "The mapping of config fields in a `--config` YAML file; a one-line error naming the file (and line) otherwise."
-    import yaml
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"--config {path}: " + ("is a folder; give a YAML file" if p.is_dir() else "no such file"))
-    try: d = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except UnicodeDecodeError: raise ValueError(f"--config {path}: not a text file (expected YAML)") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f"line {mark.line + 1}: " if mark is not None else ""
-        raise ValueError(f"{path}: {line}not valid YAML ({_yaml_problem(e)})") from None
-    if d is None: return {}
+    "The mapping of config fields in a `--config` YAML file (`opsd.train.read_yaml` names the file and line)."
+    d = read_yaml(path)
     if not isinstance(d, dict):
         raise ValueError(f"{path}: expected a mapping of config fields (key: value lines), got {type(d).__name__}")
     return d
