@@ -450,8 +450,8 @@ def current_eval(
         block = [c for c in ("run", *BLOCK_COLUMNS) if c in f.columns]
         sample = pl.struct("problem_id", "sample") if "sample" in f.columns else pl.col("problem_id")
         f = f.filter(pl.col("block_rows").is_null() | (over(sample.n_unique(), block) >= pl.col("block_rows")))
-        if settings == "latest" and f.height:
-            f = f.filter(pl.col("setting").eq_missing(over(pl.col("setting").sort_by("_row").last(), where)))
+    if "setting" in f.columns and settings == "latest" and f.height:
+        f = f.filter(pl.col("setting").eq_missing(over(pl.col("setting").sort_by("_row").last(), where)))
     if "key_weights" in f.columns and "step" in f.columns and f.height:
         by = where + [c for c in ("step", "seed", "setting") if c in f.columns]
         f = f.filter(pl.col("key_weights").eq_missing(over(pl.col("key_weights").sort_by("_row").last(), by)))
