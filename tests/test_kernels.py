@@ -1,0 +1,212 @@
+"""opsd.kernels (nbs/05e_kernels): instance-level kernel patches and compiled decoder layers, against the plain model.
+
+CPU: the patch plumbing with hand-written torch versions of RMSNorm/SiLU/RoPE, `'compile'` (Inductor's C++ backend)
+against eager, and the refusals. CUDA (marker `gpu`, skipped without a GPU): `'liger'` and `'compile'` in bf16 under
+the trainer's `bf16_adapter_compute`, each as close to a float32 reference as the unpatched bf16 model is.
+"""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+from opsd.kernels import LIGER_PIN, apply_kernels, decoder_stack, liger_patchers, patch_modules
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_lora(seed=0, layers=2, dtype=torch.float32, hidden=32, heads=2, kv=1, head_dim=16, vocab=128):
+    "A tiny real Qwen3 with non-zero LoRA on every projection (so the adapters matter to loss and gradients)."
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, tie_word_embeddings=True)
+    lc = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=TARGETS)
+    return get_peft_model(Qwen3ForCausalLM(cfg).to(dtype), lc)
+
+
+def batch(L, seed, vocab=128, device="cpu", pad=0):
+    "Two rows of length L; the first left-padded by `pad` (mask and position ids as the aligned layout gives them)."
+    ids = torch.randint(0, vocab, (2, L), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(2, L, dtype=torch.long)
+    mask[0, :pad] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return dict(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device))
+
+
+def distill_loss(model, inputs):
+    "Forward KL(teacher || student) over the unmasked positions; the teacher is the same model with adapters off."
+    s = model(**inputs, use_cache=False).logits.float()
+    with torch.no_grad(), model.disable_adapter():
+        t = model(**inputs, use_cache=False).logits.float()
+    keep = inputs["attention_mask"].bool()
+    ls, lt = s.log_softmax(-1)[keep], t.log_softmax(-1)[keep]
+    return (lt.exp() * (lt - ls)).sum(-1).mean()
+
+
+def loss_and_grads(model, inputs, ctx=None):
+    model.zero_grad(set_to_none=True)
+    with (ctx() if ctx else torch.enable_grad()):
+        loss = distill_loss(model, inputs)
+    loss.backward()
+    return loss.detach().double(), {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().clone()
+                                    for n, p in model.named_parameters() if p.requires_grad}
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _bind(module, fn):
+    import types
+    module.__dict__["forward"] = types.MethodType(fn, module)
+
+
+def ref_rms(mod):
+    eps = mod.variance_epsilon
+    def fwd(self, x):
+        h = x.float()
+        return self.weight * (h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    _bind(mod, fwd)
+
+
+def ref_mlp(mod):
+    def fwd(self, x):
+        g = self.gate_proj(x)
+        return self.down_proj(g * torch.sigmoid(g) * self.up_proj(x))
+    _bind(mod, fwd)
+
+
+def bypass_lora_mlp(mod):
+    "The deliberate break: an MLP that reads the base weights (as a Liger MLP rebuilt from them would)."
+    def fwd(self, x):
+        g = self.gate_proj.base_layer(x)
+        return self.down_proj.base_layer(g * torch.sigmoid(g) * self.up_proj.base_layer(x))
+    _bind(mod, fwd)
+
+
+def ref_rope(q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    def rot(x):
+        h = x.shape[-1] // 2
+        a, b = x[..., :h], x[..., h:]
+        return torch.cat([a * cos[..., :h] - b * sin[..., :h], b * cos[..., h:] + a * sin[..., h:]], -1)
+    return rot(q), rot(k)
+
+
+def test_patch_modules_keeps_lora_and_stays_on_its_instance():
+    """Patched with torch re-implementations, the model gives the plain model's loss and LoRA gradients (left-padded
+    rows with position ids included); models built before and after stay plain and the module globals unchanged.
+    Break, tried: `bypass_lora_mlp` as the MLP patcher (the adapters skipped inside the patched MLP) makes the
+    gradient error O(1) (asserted below as well)."""
+    from transformers.models.qwen3 import modeling_qwen3
+    rope_before = modeling_qwen3.apply_rotary_pos_emb
+    ref = tiny_lora()
+    patched = copy.deepcopy(ref)
+    counts = patch_modules(patched, rms_norm=ref_rms, mlp=ref_mlp, rope=ref_rope)
+    assert counts == dict(rms_norm=1 + 2 * 4, mlp=2, rope=2)
+    x = batch(11, seed=3, pad=4)
+    (l0, g0), (l1, g1) = loss_and_grads(ref, x), loss_and_grads(patched, x)
+    assert min(float(g.norm()) for g in g0.values()) > 0             # every LoRA matrix has a gradient
+    assert abs(float(l1 - l0)) <= 1e-4 * float(l0)
+    assert max(rel(g1[k], g0[k]) for k in g0) < 1e-4
+    assert modeling_qwen3.apply_rotary_pos_emb is rope_before
+    later = tiny_lora(seed=1)
+    for m in (ref, later):
+        layer = decoder_stack(m).layers[0]
+        assert "forward" not in vars(layer.mlp) and "forward" not in vars(layer.self_attn)
+        assert "forward" not in vars(layer.input_layernorm)
+    broken = copy.deepcopy(ref)
+    patch_modules(broken, rms_norm=ref_rms, mlp=bypass_lora_mlp, rope=ref_rope)
+    _, gb = loss_and_grads(broken, x)
+    assert max(rel(gb[k], g0[k]) for k in g0) > 0.1                  # the check above would have caught it
+
+
+def test_compile_matches_eager_without_recompiles():
+    """`'compile'` on CPU: loss and LoRA gradients equal eager's to 1e-4 relative at three lengths (padded rows too),
+    the graphs are compiled at the first length only, and parameter names are unchanged.
+    Breaks, tried: `layer.compile()` with the default `dynamic=None` compiles again at the second length (the graph
+    count grows); replacing each layer by `torch.compile(layer)` puts `_orig_mod.` in every layer parameter name."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    eager = tiny_lora()
+    comp = apply_kernels(copy.deepcopy(eager), "compile")
+    assert comp.opsd_kernels == "compile"
+    assert list(comp.state_dict()) == list(eager.state_dict())
+    graphs = []
+    for L, pad in ((9, 3), (13, 5), (6, 2)):
+        x = batch(L, seed=L, pad=pad)
+        (l0, g0), (l1, g1) = loss_and_grads(eager, x), loss_and_grads(comp, x)
+        assert abs(float(l1 - l0)) <= 1e-4 * float(l0), (L, float(l0), float(l1))
+        assert max(rel(g1[k], g0[k]) for k in g0) < 1e-4, L
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 2 and graphs == [graphs[0]] * 3, graphs   # student + teacher graphs, then none
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith(torch.backends.cpu.get_cpu_capability().lower())
+
+
+def test_refusals_name_the_fix(monkeypatch):
+    "Unknown kernel name, Liger on a CPU model, Liger not installed: one-line errors that say what to do."
+    m = tiny_lora()
+    with pytest.raises(ValueError, match="must be one of"):
+        apply_kernels(m, "fast")
+    with pytest.raises(ValueError, match="CUDA device"):
+        apply_kernels(m, "liger")
+    assert "forward" not in vars(decoder_stack(m).layers[0].mlp)      # refused before anything changed
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)            # import fails as when it is not installed
+    with pytest.raises(RuntimeError, match=f"pip install {LIGER_PIN}"):
+        liger_patchers()
+    with pytest.raises(ValueError, match="no decoder layers"):
+        apply_kernels(torch.nn.Linear(2, 2), "compile")
+
+
+# ---------------------------------------------------------------- CUDA
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _bf16_case(which):
+    """Errors against a float32 reference of the plain model and of the `which` model, both bf16 under the trainer's
+    bf16 adapter compute (autocast, no fp32 cast of LoRA inputs)."""
+    from opsd.train import bf16_adapter_compute
+    kw = dict(layers=2, hidden=256, heads=4, kv=2, head_dim=64, vocab=1024)
+    ref32 = tiny_lora(**kw).cuda()
+    plain = copy.deepcopy(ref32).to(torch.bfloat16)
+    fast = apply_kernels(copy.deepcopy(plain), which)
+    out = []
+    for L, pad in ((200, 0), (333, 57)):
+        x = batch(L, seed=L, vocab=1024, device="cuda", pad=pad)
+        l32, g32 = loss_and_grads(ref32, x)
+        (lp, gp), (lf, gf) = (loss_and_grads(m, x, lambda m=m: bf16_adapter_compute(m)) for m in (plain, fast))
+        e_plain = (abs(float(lp - l32)) / float(l32), max(rel(gp[k], g32[k]) for k in g32))
+        e_fast = (abs(float(lf - l32)) / float(l32), max(rel(gf[k], g32[k]) for k in g32))
+        out.append((e_plain, e_fast))
+    return fast, out
+
+
+@gpu
+@needs_cuda
+def test_liger_matches_plain_bf16():
+    """`'liger'` on CUDA: loss and LoRA gradients as close to float32 as the plain bf16 model (within 2x + 1e-3), left
+    padding and position ids included, and the modules really run Liger's forwards.
+    Break (not yet run on a GPU): an RMSNorm patched with a wrong epsilon or a RoPE with swapped halves moves the
+    error far above the plain model's."""
+    pytest.importorskip("liger_kernel", reason=f"Liger-Kernel not installed (pip install {LIGER_PIN})")
+    fast, errs = _bf16_case("liger")
+    layer = decoder_stack(fast).layers[0]
+    assert "Liger" in type(layer.mlp).__name__ or "Liger" in layer.mlp._get_name()
+    assert layer.self_attn.forward.__func__.__globals__["apply_rotary_pos_emb"].__module__.startswith("liger_kernel")
+    for e_plain, e_fast in errs:
+        assert e_fast[0] <= 2 * e_plain[0] + 1e-3 and e_fast[1] <= 2 * e_plain[1] + 1e-3, errs
+
+
+@gpu
+@needs_cuda
+def test_compile_matches_plain_bf16():
+    "`'compile'` on CUDA (Inductor's Triton backend): the same bf16-vs-float32 bound as the Liger test."
+    _, errs = _bf16_case("compile")
+    for e_plain, e_fast in errs:
+        assert e_fast[0] <= 2 * e_plain[0] + 1e-3 and e_fast[1] <= 2 * e_plain[1] + 1e-3, errs
