@@ -332,8 +332,8 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, teacher: Te
             from safetensors.torch import save_file
             save_file({k: v.detach().cpu().contiguous() for k, v in rollout_adapter.items()},
                       str(tmp / "rollout_adapter.safetensors"))
-        write_bytes(tmp / "trainer_state.pt", buf.getbuffer())
         _test_pause("save", step)
+        write_bytes(tmp / "trainer_state.pt", buf.getbuffer())
         write_bytes(tmp / "state.json", json.dumps(dict(step=step)).encode())
         if final.exists(): shutil.rmtree(old, ignore_errors=True); os.replace(final, old)
         os.replace(tmp, final)

@@ -110,7 +110,7 @@ def reference(tiny_ckpt, toy_data_file, tmp_path_factory) -> dict:
 def test_second_writer_is_refused(reference):
     """Two processes on one run folder: the second is refused with a message naming the folder and the holder's pid,
     the first finishes, and every row is written once. Break that made it fail: `fit` without `folder_lock` (the
-    second process trains too: rc 0, and steps 2.. are written twice)."""
+    second process trains too: the reference then holds 11 position rows instead of 6)."""
     second = reference["second"]
     assert second.returncode != 0
     assert f"{reference['run_dir']}: run folder is being written by another opsd process (pid {reference['first_pid']} " \
@@ -124,8 +124,8 @@ def test_kill_9_then_same_command_equals_uninterrupted(tiny_ckpt, toy_data_file,
     the same command: the end result (metrics, positions, final adapter) equals the uninterrupted run bit for bit,
     each step once. Breaks that made it fail: resume without truncation when no checkpoint exists (steps 1, 1, 2, ..
     after the first kill); `truncate_after` skipped on resume (step 3 twice); `save_checkpoint` writing straight into
-    step-N instead of a temporary folder (after the third kill a step-4 without trainer_state.pt is the latest
-    checkpoint and the resume fails)."""
+    step-N instead of a temporary folder (after the third kill a step-4 holding an adapter but no trainer_state.pt is
+    the latest checkpoint)."""
     cfg, mark = config(tiny_ckpt, toy_data_file, tmp_path / "run"), tmp_path / "paused"
     rd = RunDir(cfg["run_dir"])
     for pause, rows, latest in [("step:1", 1, None),            # before the first checkpoint (at step 2)
@@ -136,7 +136,7 @@ def test_kill_9_then_same_command_equals_uninterrupted(tiny_ckpt, toy_data_file,
         p.send_signal(signal.SIGKILL); p.wait(timeout=60); p.stderr.close(); p.stdout.close(); mark.unlink()
         assert [r["step"] for r in jsonl_rows(rd.metrics_path)] == list(range(1, rows + 1)), pause
         assert (rd.latest_checkpoint().name if rd.latest_checkpoint() else None) == latest, pause
-    assert (rd.checkpoints_dir / "step-4.tmp" / "trainer_state.pt").exists()   # the kill landed inside the save
+    assert (rd.checkpoints_dir / "step-4.tmp" / "adapter_model.safetensors").exists()   # the kill landed in the save
     ok(cfg)                                                                      # the same command, to the end
     got = state(rd.path)
     assert_same_run(got, reference)
@@ -149,9 +149,10 @@ def test_disk_full_then_same_command_resumes(reference, tmp_path):
     """A real write failure (RLIMIT_FSIZE: EFBIG, handled as ENOSPC) while appending a metrics row, then while
     writing a checkpoint: each a one-line error naming the file or checkpoint and what is intact; nothing partial is
     left (no torn row, no step-N.tmp); the previous checkpoint loads, and the same command without the limit ends
-    equal to the uninterrupted run. Breaks that made it fail: `save_checkpoint` without its except clause (torch's
-    `RuntimeError: [enforce fail at inline_container.cc] unexpected pos`, and step-6.tmp left behind);
-    `append_jsonl` not cutting the file back (a partial row 5)."""
+    equal to the uninterrupted run. Breaks that made it fail: the error re-raised untranslated (`OSError: [Errno 27]
+    File too large`, naming no checkpoint); trainer_state.pt written by torch.save straight to the file (`RuntimeError:
+    [enforce fail at inline_container.cc:672] unexpected pos`); `append_jsonl` not cutting the file back (300 bytes
+    of a partial row 5 left)."""
     import shutil
     shutil.copytree(reference["run_dir"], tmp_path / "run")      # a run folder whose latest checkpoint is step-4
     rd = RunDir(tmp_path / "run")
