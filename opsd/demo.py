@@ -367,8 +367,9 @@ def run_demo(out:str|Path="runs/demo", teachers:Sequence[str]=DEMO_TEACHERS, cli
              data:str|None=None, # problems file replacing the world's own
              **overrides)->dict:
     "Train and evaluate every (teacher, clip, seed) run, write the report and the summary; return tables and timing."
+    from opsd.data import check_out_folder
     t0 = time.perf_counter()
-    out = Path(out)
+    out = check_out_folder(out, "--out")   # a file there (or above it) is refused before any work
     jobs = demo_jobs(out, teachers, clips, seeds, recipe, toy, world=world, data=data, **overrides)
     teachers = list(dict.fromkeys(j["teacher"] for j in jobs))
     sequential = "world" in jobs[0]
