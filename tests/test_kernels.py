@@ -169,12 +169,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _bf16_case(which):
-    """Errors against a float32 reference of the plain model and of the `which` model, both bf16 under the trainer's
-    bf16 adapter compute (autocast, no fp32 cast of LoRA inputs)."""
+    """Errors against a float32 reference of the plain model and of the `which` model, both with a bf16 base and fp32
+    adapters under the trainer's bf16 adapter compute (autocast, no fp32 cast of LoRA inputs)."""
     from opsd.train import bf16_adapter_compute
     kw = dict(layers=2, hidden=256, heads=4, kv=2, head_dim=64, vocab=1024)
     ref32 = tiny_lora(**kw).cuda()
-    plain = copy.deepcopy(ref32).to(torch.bfloat16)
+    plain = copy.deepcopy(ref32)
+    for n, p in plain.named_parameters():        # as the trainer holds them: the base in bf16, the adapters in fp32
+        if "lora_" not in n: p.data = p.data.to(torch.bfloat16)
     fast = apply_kernels(copy.deepcopy(plain), which)
     out = []
     for L, pad in ((200, 0), (333, 57)):

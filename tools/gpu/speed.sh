@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 18 (speed) on one H200, after the vllm and opsd sets are unpacked into /tmp/site (tools/gpu/README.md) and with
 # .gpu-carry/extra carried (it holds liger_kernel-0.8.5-py3-none-any.whl). Usage: bash tools/gpu/speed.sh PHASE
-#   all     (one device call, about 8 minutes) install Liger-Kernel, the GPU checks of tests/test_kernels.py (<= 2.5 min),
-#           then `python -m opsd.bench e2e --steps 4 --warmup 1` with E2E_DEFAULT's six variants (time-boxed, see LIMIT)
+#   all     (one device call, <= 9 minutes) install Liger-Kernel, `python -m opsd.bench e2e --steps 4 --warmup 1` with
+#           E2E_DEFAULT's six variants (time box: LIMIT - 130 s from the start), then the GPU checks of tests/test_kernels.py
 #   tests   only the GPU checks of tests/test_kernels.py
 #   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4)
 #   stall   pytest tests/test_gpu_stall.py (needs the smollm2 set too; about 2-3 minutes)
@@ -24,14 +24,15 @@ liger() {
 
 tests() {
   t0=$(date +%s)
-  timeout ${TEST_LIMIT:-150} python3 -m pytest -q -rs tests/test_kernels.py -k "bf16" -p no:cacheprovider 2>&1 \
+  left=$(( ${LIMIT:-530} - ($(date +%s) - T_START) )); [ $left -gt 150 ] && left=150
+  timeout $left python3 -m pytest -q -rs tests/test_kernels.py -k "bf16" -p no:cacheprovider 2>&1 \
     | tee "$OUT/test_kernels_gpu.log" | grep -E "passed|failed|SKIPPED|Error|assert" | tail -8
   echo "test_kernels (GPU) wall $(( $(date +%s) - t0 )) s"
 }
 
 e2e() {
   [ -f $MODEL/config.json ] || python3 -c "from opsd.bench import random_qwen3_checkpoint as r; print(r('$MODEL'))" 2>&1 | grep -v Warn | tail -1
-  left=$(( ${LIMIT:-530} - ($(date +%s) - T_START) ))
+  left=$(( ${LIMIT:-530} - ${RESERVE:-0} - ($(date +%s) - T_START) ))
   cmd="python3 -m opsd.bench e2e --model $MODEL --steps ${STEPS:-4} --warmup 1 --jsonl $OUT/e2e_speed.jsonl --out $OUT/e2e_speed.json"
   echo "+ $cmd ${VARIANTS:+--variants \"$VARIANTS\"}   (time box ${left} s)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -46,7 +47,7 @@ print(e2e_table(rows)); print(); print(floors_table(rows))" > "$OUT/e2e_speed.md
 }
 
 case ${1:-} in
-all) liger; tests; e2e ;;
+all) liger; RESERVE=130 e2e; tests ;;
 tests) liger; tests ;;
 e2e) liger; e2e ;;
 stall)
