@@ -191,7 +191,7 @@ def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
     from opsd.worlds import resolve_world
     from opsd.train import OPSDTrainer
     from opsd.eval import grade, eval_runs, default_eval_sampling
-    from opsd.runs import latest_checkpoint, checkpoint_step, list_checkpoints, read_eval
+    from opsd.runs import latest_checkpoint, checkpoint_step
     from transformers import AutoTokenizer
     worlds = {(j["world"], j.get("data")) for j in jobs}
     if len(worlds) != 1: raise ValueError(f"run_world_jobs: jobs of one world expected, got {sorted(map(str, worlds))}")
@@ -238,13 +238,11 @@ def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
     sampling = default_eval_sampling(r["eval_seed"], max_new_tokens=budget)
     for i, (j, cfg) in enumerate(zip(jobs, cfgs)):
         t0 = time.perf_counter()
-        want = {(s, r["eval_seed"], "test") for s in [0] + [s for s, _ in list_checkpoints(cfg.run_dir)]}
-        ev = read_eval(cfg.run_dir)
-        have = set(ev.select("step", "seed", "split").iter_rows()) if ev.height else set()
-        if not want <= have:  # (sweep_checkpoints also skips what is done; this spares the engine start)
-            eval_runs([cfg.run_dir], test_set, model_path=path, k=r["k"], seeds=(r["eval_seed"],), backend=get_engine(),
-                      max_new_tokens=budget, grade_mode=w.grade_mode, prompt_cfg=prompt_cfg,
-                      dtype=w.eval_dtype or cfg.dtype, sampling=sampling, progress=False)
+        # eval_runs skips the blocks done under this very setting (eval rows are keyed) and calls get_engine
+        # only when a block needs evaluating: a finished demo run again starts no engine
+        eval_runs([cfg.run_dir], test_set, model_path=path, k=r["k"], seeds=(r["eval_seed"],), backend=get_engine,
+                  max_new_tokens=budget, grade_mode=w.grade_mode, prompt_cfg=prompt_cfg,
+                  dtype=w.eval_dtype or cfg.dtype, sampling=sampling, progress=False)
         done[j["name"]]["eval_s"] = round(time.perf_counter() - t0, 1)
         if progress: print(f"[opsd demo] {j['name']}: eval {done[j['name']]['eval_s']:.0f} s ({i + 1}/{len(jobs)})",
                            flush=True)
