@@ -26,8 +26,8 @@ __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUT
            'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'OPSDConfig', 'read_yaml',
            'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
            'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
-           'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences', 'check_run_config', 'base_fingerprint',
-           'train', 'PendingRollout']
+           'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences', 'check_run_config', 'check_same_base',
+           'base_fingerprint', 'train', 'PendingRollout']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -756,6 +756,15 @@ def check_run_config(run_dir, cfg: OPSDConfig):
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"run folder {rd.path} holds a run with another config ({listed}); {fix}")
 
+def check_same_base(run_dir, fingerprint: str | None):
+    "Refuse to resume a checkpoint trained on other base weights than the model's now (a rebuilt or replaced base)."
+    rd = RunDir(run_dir)
+    if fingerprint is None or rd.latest_checkpoint() is None: return
+    seen = [s["base_fingerprint"] for s in rd.starts() if s.get("base_fingerprint")]
+    if seen and seen[-1] != fingerprint:
+        raise ValueError(f"run folder {rd.path} was trained on base weights {seen[-1]}, but the model folder now holds "
+                         f"{fingerprint} (rebuilt or replaced); --fresh starts over, or choose another --out")
+
 @patch
 def resume(self: OPSDTrainer) -> int:
     "Restore the latest checkpoint of the run folder; rows after it are dropped (all of them when there is none)."
@@ -783,12 +792,12 @@ def base_fingerprint(path) -> str | None:
     return weights_fingerprint(p) if p.is_dir() and any(p.glob("*.safetensors")) else None
 
 @patch
-def start_record(self: OPSDTrainer, start: int, fresh: bool) -> dict:
+def start_record(self: OPSDTrainer, start: int, fresh: bool, fingerprint: str | None = None) -> dict:
     "The starts.jsonl row of this start: when, from where, and what besides the seed the result depends on."
-    ck = self.resumed_from
+    ck, fingerprint = self.resumed_from, fingerprint or base_fingerprint(self.model_path)
     return dict(time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), start_step=start,
                 resumed_from=str(ck.relative_to(self.run_dir)) if ck is not None else None, fresh=fresh,
-                model=str(self.model_path), base_fingerprint=base_fingerprint(self.model_path),
+                model=str(self.model_path), base_fingerprint=fingerprint,
                 processes=self.acc.num_processes, device=str(self.acc.device), environment=environment())
 
 def _main_thread():
@@ -801,13 +810,16 @@ def fit(self: OPSDTrainer, resume: bool = True, stop_after: int | None = None) -
     main = self.acc.is_main_process
     self.run.make()
     with folder_lock(self.run_dir, "run folder", wait=False) if main else nullcontext():
-        if resume: check_run_config(self.run_dir, self.cfg)   # every process reads; nothing is written yet
+        fingerprint = base_fingerprint(self.model_path)
+        if resume:   # every process reads; nothing is written yet
+            check_run_config(self.run_dir, self.cfg)
+            check_same_base(self.run_dir, fingerprint)
         self.acc.wait_for_everyone()
         if not resume and main: self.run.clear()
         start = self.resume() if resume else 0
         if main:   # only now, after every check and the checkpoint's load, the record changes
             self.run.write_config(self.cfg.to_dict())
-            self.run.append_start(self.start_record(start, fresh=not resume))
+            self.run.append_start(self.start_record(start, fresh=not resume, fingerprint=fingerprint))
         return self._loop(start, stop_after)
 
 @patch

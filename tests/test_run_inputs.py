@@ -221,3 +221,27 @@ def test_checkpoint_holds_every_rng_as_plain_values(tiny_ckpt, toy_problems, tmp
     random.seed(9); np.random.seed(9); torch.manual_seed(9); draws()
     assert load_checkpoint(ck, tr.unwrapped, tr.optimizer, tr.scheduler, tr.teacher) == 1
     assert draws() == want
+
+
+def test_resume_on_other_base_weights_is_refused(tiny_ckpt, toy_problems, tmp_path):
+    """The same config, but the model folder's weights changed since the checkpoint (a rebuilt toy base): resuming is
+    refused, naming both fingerprints, with nothing written; --fresh trains on the new base. Break that made it fail:
+    `check_same_base` not called in `fit` (the run resumes and mixes two bases)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    base = tmp_path / "base"; shutil.copytree(tiny_ckpt, base)
+    cfg = tiny_cfg(base, tmp_path / "run", steps=3)
+    trainer(cfg, toy_problems).fit(stop_after=1)
+    old = weights_fingerprint(base)
+    w = load_file(str(base / "model.safetensors"))
+    k = sorted(w)[0]; w[k] = w[k].clone(); w[k].view(-1)[0] += 1e-3   # one number of the base moves
+    save_file(w, str(base / "model.safetensors"), metadata={"format": "pt"})
+    new = weights_fingerprint(base)
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(ValueError) as e:
+        trainer(cfg, toy_problems).fit()
+    assert str(e.value) == (f"run folder {tmp_path / 'run'} was trained on base weights {old}, but the model folder now "
+                            f"holds {new} (rebuilt or replaced); --fresh starts over, or choose another --out")
+    assert snapshot(tmp_path / "run") == before
+    trainer(cfg, toy_problems).fit(resume=False)
+    assert [s["base_fingerprint"] for s in RunDir(tmp_path / "run").starts()] == [new]
