@@ -314,7 +314,7 @@ E2E_VARIANTS = {
 }
 # the compiled torch chunk math instead of the Triton kernel
 E2E_VARIANTS["opsd best (torch loss)"] = dict(E2E_VARIANTS["opsd best"], fused_kernel="torch")
-# the elementwise work of the decoder fused (opsd.kernels, applied to the trainer's model after construction)
+# the elementwise work of the decoder fused (opsd.kernels, through the config field `kernels`: the trainer applies it)
 E2E_VARIANTS["opsd best + liger"] = dict(E2E_VARIANTS["opsd best"], kernels="liger")
 E2E_VARIANTS["opsd best + compile"] = dict(E2E_VARIANTS["opsd best"], kernels="compile")
 # the next step's rollout overlapped with this step's training (one step off-policy; the engine stays awake)
@@ -352,7 +352,6 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
     "Median seconds per `OPSDTrainer.step` (rollout/train/sync/overlap), tok/s, peak memory, floors, per variant."
     import gc, tempfile, traceback
     from opsd.train import OPSDConfig, OPSDTrainer
-    from opsd.kernels import apply_kernels
     variants = {n: E2E_VARIANTS[n] for n in E2E_DEFAULT} if variants is None else variants
     problems = problems or bench_problems(64)
     run_root = Path(run_root or tempfile.mkdtemp(prefix="opsd-e2e-"))
@@ -368,11 +367,10 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
         try:
             cfg = OPSDConfig(**{**E2E_COMMON, **(common or {}), **over, "model": str(model_dir),
                                 "run_dir": str(run_root / slug), "name": slug, "rollout": rollout,
-                                "vllm_memory": vllm_memory, "seed": 0})
+                                "vllm_memory": vllm_memory, "seed": 0, "kernels": kernels})
             t0 = time.perf_counter()
             tr = OPSDTrainer(cfg, problems, model_path=str(model_dir), progress=progress, rollout=shared)  # one engine
-            if shared is None: shared = tr.rollout
-            apply_kernels(tr.unwrapped, kernels)
+            if shared is None: shared = tr.rollout   # (the trainer applied cfg.kernels: the path `opsd train` runs)
             row["setup_s"] = time.perf_counter() - t0
             costs = costs or model_costs(tr.unwrapped.config, cfg.dtype)
             per = []

@@ -19,12 +19,13 @@ from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_pro
 from .collate import collate, batch_logits, PAD_MODES
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
+from .kernels import KERNELS, apply_kernels
 from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS',
-           'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'OPSDConfig', 'read_yaml',
-           'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
+           'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'ASYNC_VLLM_CRASH', 'OPSDConfig',
+           'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
            'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
            'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences', 'check_run_config', 'check_same_base',
            'base_fingerprint', 'train', 'PendingRollout']
@@ -62,6 +63,8 @@ class OPSDConfig:
     padding: str = "released"  # 'released' (right-padded prompts, gap consumes positions) or 'aligned'
     fused: bool = False  # the chunked loss from hidden states (opsd.fused)
     fused_chunk: int = 1024
+    kernels: str = "none"  # the student's decoder layers: 'none', 'liger' (Liger-Kernel's RMSNorm/RoPE/SwiGLU) or
+    #                        'compile' (torch.compile of each layer): opsd.kernels; measured in nbs/12_bench
     fused_kernel: str = "auto"  # the fused chunk math: 'torch', 'triton' (one kernel; forward KL, full vocabulary)
     #                             or 'auto' (triton on CUDA where it applies)
     # LoRA
@@ -104,7 +107,7 @@ class OPSDConfig:
         for f in dataclasses.fields(self): setattr(self, f.name, _check_type(f, getattr(self, f.name)))
         checks = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=PAD_MODES, scheduler=SCHEDULERS,
                       objective=OBJECTIVES, rollout=ROLLOUTS, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES,
-                      fused_kernel=FUSED_KERNEL_MODES)
+                      fused_kernel=FUSED_KERNEL_MODES, kernels=KERNELS)
         for k, allowed in checks.items():
             if getattr(self, k) not in allowed:
                 raise ValueError(f"config field {k}={getattr(self, k)!r}: must be one of {allowed}")
@@ -497,6 +500,9 @@ class OPSDTrainer:
                                        max_new_tokens=cfg.max_completion_length, seed=cfg.seed)
         self.rollout = rollout if rollout is not None else self._make_rollout()
         if rollout is not None: self.sync()   # a shared engine may hold another run's student: load ours first
+        # after the rollout is made: HFRollout copies the model, and a compiled copy would recompile under generate
+        apply_kernels(self.unwrapped, cfg.kernels)
+        self._check_async()
         self.step_done, self.resumed_from = 0, None
         self._pending, self._side_stream = None, None   # async_rollout: the rollout of the next step; its CUDA stream
 
@@ -883,6 +889,19 @@ def _sync_main(device):
 def _lora_state(model) -> dict:
     from peft.utils import get_peft_model_state_dict
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+ASYNC_VLLM_CRASH = "bench/h200-2026-12-03-speed/run1-all/e2e_speed.log"
+
+@patch
+def _check_async(self: OPSDTrainer):
+    "Refuse async_rollout where it is known to fail: vLLM in a thread beside training on one GPU (see below)."
+    if not self.cfg.async_rollout or self.acc.device.type != "cuda": return
+    if type(self.rollout).__name__ == "VLLMRollout" and os.environ.get("OPSD_ALLOW_ASYNC_VLLM", "") in ("", "0"):
+        raise RuntimeError("config field async_rollout=True with the vLLM engine on CUDA: refused. On the H200 it "
+                           "crashed with a CUDA illegal memory access at the first overlapped step (Qwen3-1.7B shape, "
+                           f"{ASYNC_VLLM_CRASH}); with CUDA_LAUNCH_BLOCKING=1 it ran, so a race between the rollout "
+                           "thread and training is the likely cause. Use async_rollout=False, or "
+                           "OPSD_ALLOW_ASYNC_VLLM=1 to debug it")
 
 @patch
 def launch_rollout(self: OPSDTrainer, step: int) -> PendingRollout:
