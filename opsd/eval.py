@@ -646,19 +646,9 @@ def _run_folder(path) -> RunDir:
 
 
 def _check_model_path(path: str) -> None:
-    "A base model given as a local path must be a folder with a config.json (hub names go to from_pretrained)."
-    p = Path(path).expanduser()
-    parts = path.split("/")
-    local = (p.exists() or path.startswith(("/", ".", "~")) or len(parts) > 2
-             or (len(parts) == 2 and Path(parts[0]).expanduser().is_dir()))
-    if not local:
-        return
-    if not p.exists():
-        raise FileNotFoundError(f"{path}: no such base model folder")
-    if not p.is_dir():
-        raise NotADirectoryError(f"{path}: not a base model folder (it is a file)")
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not a base model folder (no config.json)")
+    "A base model given as a local path must be a folder with a config.json (`opsd.runs.check_model_path`)."
+    from opsd.runs import check_model_path
+    check_model_path(path, "base model folder")
 
 
 def eval_runs(

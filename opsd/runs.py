@@ -14,7 +14,7 @@ import polars as pl
 __all__ = ['DTYPES', 'disk_full', 'full_error', 'write_bytes', 'append_jsonl', 'jsonl_rows', 'read_jsonl', 'write_atomic',
            'rewrite_jsonl', 'checkpoint_step', 'adapter_dir', 'is_checkpoint', 'RunDir', 'read_metrics',
            'read_positions', 'read_eval', 'read_config', 'latest_checkpoint', 'list_checkpoints', 'run_folders',
-           'RunData', 'read_run', 'torch_dtype', 'with_adapter', 'load_tokenizer', 'load_model']
+           'RunData', 'read_run', 'torch_dtype', 'with_adapter', 'check_model_path', 'load_tokenizer', 'load_model']
 
 # %% ../nbs/05b_runs.ipynb #ee9d6b82
 _FULL = (errno.ENOSPC, errno.EFBIG)   # no space left on the device; a file size limit (ulimit -f, quotas)
@@ -265,15 +265,32 @@ def _hub_like(path: str) -> bool:
         return False
     return not (len(p.parts) == 2 and Path(p.parts[0]).is_dir())   # 'runs/x' with a local 'runs': a folder
 
-def _check_model_path(path) -> str:
-    "A model path: an existing folder, or a name that may be on the hub; a missing local path is a clear error."
+def _in_hf_cache(name: str) -> bool:
+    "Whether a hub id has a cached config.json (so from_pretrained can load it offline)."
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception: return False  # not a valid repo id, or no huggingface_hub: not cached
+
+def check_model_path(path, # a from_pretrained folder or a hub name
+                     what: str = "model folder", # names it in the message ('--model', 'run folder X: its model')
+                     config: bool = True, # an existing folder must hold a config.json
+                    ) -> str:
+    "The one rule for a model path: an existing folder (with config.json), or a name that may be on the hub."
     s = str(path)
     p = Path(s).expanduser()
     if p.exists():
-        if not p.is_dir(): raise NotADirectoryError(f"model folder {s} is a file, not a from_pretrained folder")
+        if not p.is_dir(): raise NotADirectoryError(f"{what} {s} is a file, not a from_pretrained folder")
+        if config and not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{what} {s}: the folder has no config.json (not a from_pretrained model folder; "
+                                    "a run folder's checkpoints go to `opsd eval`)")
         return str(p)
-    if not _hub_like(s): raise FileNotFoundError(f"model folder {s} does not exist")
+    if not _hub_like(s) and not _in_hf_cache(s): raise FileNotFoundError(f"{what} {s} does not exist")
     return s
+
+def _check_model_path(path) -> str:
+    "The loaders' check (a folder without config.json is left to from_pretrained, whose message names what lacks)."
+    return check_model_path(path, config=False)
 
 def _missing(path: str, what: str, e: Exception) -> FileNotFoundError:
     if Path(path).is_dir():

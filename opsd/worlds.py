@@ -140,27 +140,13 @@ def resolve_world(name: str, # 'toy', 'toy:soft', 'toy:copy', 'smollm2', or a fr
     return World(name, "path", data=data)
 
 # %% ../nbs/08c_worlds.ipynb #22d1b7ed
-def _in_hf_cache(name: str) -> bool:
-    "Whether a hub id has a cached config.json (so from_pretrained can load it offline)."
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception: return False  # not a valid repo id, or no huggingface_hub: not cached
-
 @patch
 def check_model(self: World, what: str = "--model") -> None:
     "Refuse (one line) a `path` world whose model is a missing or incomplete local folder; named worlds pass."
     if self.kind != "path": return
-    p = Path(self.name).expanduser()
-    if p.exists():
-        if not p.is_dir(): raise NotADirectoryError(f"{what} {self.name}: is a file; give a from_pretrained folder")
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"{what} {self.name}: the folder has no config.json (not a from_pretrained model "
-                                    "folder; a run folder's checkpoints go to `opsd eval`, not --model)")
-        return
-    parts = self.name.split("/")
-    local = (self.name.startswith(("/", ".", "~")) or len(parts) > 2
-             or (len(parts) == 2 and Path(parts[0]).expanduser().is_dir()))
-    if local and not _in_hf_cache(self.name):
+    from opsd.runs import check_model_path
+    try: check_model_path(self.name, what)
+    except FileNotFoundError as e:
+        if "does not exist" not in str(e): raise
         raise FileNotFoundError(f"{what} {self.name}: no such model folder; give a from_pretrained folder, "
-                                f"a hub name, or a world ({', '.join(WORLDS)})")
+                                f"a hub name, or a world ({', '.join(WORLDS)})") from None

@@ -170,3 +170,20 @@ def test_async_thread_on_cuda_same_samples_and_overlap(sharp_ckpt, toy_problems,
         set_peft_model_state_dict(ref.unwrapped, seen["theta"][max(t - 2, 0)]); ref.sync()
         assert seen["trained"][t - 1] == [list(c) for c in ref.sample(ref.plan(t)).comps], f"step {t}"
     assert sum(r["time/overlap"] for r in rows[:-1]) > 0
+
+
+def test_async_with_vllm_on_cuda_is_refused(monkeypatch):
+    """async_rollout with vLLM on CUDA crashed on the H200 (bench/h200-2026-12-03-speed): the trainer refuses it there,
+    and only there. Break that made it fail: the refusal removed from OPSDTrainer.__init__'s check."""
+    from opsd.train import OPSDConfig, _check_async
+
+    class VLLMRollout:  # the rule looks at the engine's class name only (vLLM cannot be imported on this machine)
+        pass
+    cfg = OPSDConfig(async_rollout=True)
+    monkeypatch.delenv("OPSD_ALLOW_ASYNC_VLLM", raising=False)
+    with pytest.raises(RuntimeError, match="async_rollout=True with the vLLM engine on CUDA: refused"):
+        _check_async(cfg, VLLMRollout(), "cuda")
+    _check_async(cfg, VLLMRollout(), "cpu")                       # CPU: allowed
+    _check_async(OPSDConfig(), VLLMRollout(), "cuda")             # synchronous: allowed
+    monkeypatch.setenv("OPSD_ALLOW_ASYNC_VLLM", "1")
+    _check_async(cfg, VLLMRollout(), "cuda")                      # a developer reproducing the crash

@@ -585,9 +585,9 @@ def test_bad_folders_are_refused_before_loading(tiny, tmp_path, monkeypatch):
         (tmp_path / "missing", FileNotFoundError, "no such run folder"),
         (a_file, NotADirectoryError, "not a run folder (it is a file)"),
         (empty, FileNotFoundError, "not a run folder (no config.json)"),
-        (run_with(tmp_path / "no-base"), FileNotFoundError, "no such base model folder"),
-        (run_with(a_file), NotADirectoryError, "not a base model folder (it is a file)"),
-        (run_with(empty), FileNotFoundError, "not a base model folder (no config.json)"),
+        (run_with(tmp_path / "no-base"), FileNotFoundError, "no-base does not exist"),
+        (run_with(a_file), NotADirectoryError, "is a file, not a from_pretrained folder"),
+        (run_with(empty), FileNotFoundError, "has no config.json"),
     ]
     for rd, err, words in table:
         with pytest.raises(err) as e:

@@ -122,7 +122,7 @@ ROWS = [
         c, "bad.jsonl", '{"problem": "1+1", "solution": "\\\\boxed{2}", "answer": "2"}\n'
         '{"problem": "", "solution": "x", "answer": "1"}\n')), "bad.jsonl: line 2: field 'problem' is empty"),
     ("missing-model-folder", lambda c: train_argv(c, model=c.tmp / "no-such-model"), "no such model folder"),
-    ("model-folder-is-a-file", lambda c: train_argv(c, model=c.file), "afile: is a file"),
+    ("model-folder-is-a-file", lambda c: train_argv(c, model=c.file), "afile is a file"),
     ("eval-missing-run-folder", lambda c: ["eval", str(c.tmp / "no-such-run")], "no-such-run: no such folder"),
     ("eval-run-folder-is-a-file", lambda c: ["eval", str(c.file)], "afile: is a file, not a run folder"),
     ("eval-not-a-run-folder", lambda c: ["eval", str(c.tmp)], "no config.json"),
