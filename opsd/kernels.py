@@ -4,12 +4,11 @@
 
 # %% ../nbs/05e_kernels.ipynb #5deaa0e1
 from __future__ import annotations
-import inspect, os, types
+import inspect, types
 import torch
 
 # %% auto #0
-__all__ = ['KERNELS', 'LIGER_PIN', 'decoder_stack', 'with_globals', 'patch_modules', 'liger_patchers', 'inductor_cache_per_isa',
-           'apply_kernels']
+__all__ = ['KERNELS', 'LIGER_PIN', 'decoder_stack', 'with_globals', 'patch_modules', 'liger_patchers', 'apply_kernels']
 
 # %% ../nbs/05e_kernels.ipynb #e05fae10
 KERNELS = ("none", "liger", "compile")
@@ -73,15 +72,7 @@ def liger_patchers() -> dict:
                 rope=liger_rotary_pos_emb)
 
 # %% ../nbs/05e_kernels.ipynb #e81109d5
-def inductor_cache_per_isa() -> str:
-    "Point Inductor's disk cache at a folder per CPU capability (AVX2 vs AVX-512 kernels must not mix); returns it."
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    base = os.path.abspath(default_cache_dir())
-    cur = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if cur is not None and os.path.abspath(cur) != base and not os.path.abspath(cur).startswith(base + "_"):
-        return cur                                                       # the user's own folder
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = d = f"{base}_{torch.backends.cpu.get_cpu_capability().lower()}"
-    return d
+from .repro import inductor_cache_per_isa   # one home (05a_repro): one Inductor cache folder per CPU ISA
 
 # %% ../nbs/05e_kernels.ipynb #07ea8b85
 def _check_liger(model):

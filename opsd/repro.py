@@ -8,15 +8,29 @@ import contextlib, hashlib, os, platform, sys, time
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['NUMERIC_PINS', 'pin_numerics', 'numerics', 'torch_threads', 'environment', 'weights_fingerprint', 'folder_lock']
+__all__ = ['NUMERIC_PINS', 'inductor_cache_per_isa', 'pin_numerics', 'numerics', 'torch_threads', 'environment',
+           'weights_fingerprint', 'folder_lock']
 
 # %% ../nbs/05a_repro.ipynb #842b6cfc
 NUMERIC_PINS = {"ATEN_CPU_CAPABILITY": "avx2",   # torch's CPU kernels: the AVX2 build on every x86 machine
                 "MKL_CBWR": "AVX2"}              # MKL's conditional numerical reproducibility: the AVX2 code path
 
+def inductor_cache_per_isa(capability: str | None = None) -> str:
+    "Point Inductor's disk cache at a folder per CPU capability (AVX2 and AVX-512 kernels must not mix); returns it."
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    base = os.path.abspath(default_cache_dir())
+    cur = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cur is not None and os.path.abspath(cur) != base and not os.path.abspath(cur).startswith(base + "_"):
+        return cur                                                       # the user's own folder
+    cap = (capability or torch.backends.cpu.get_cpu_capability()).lower()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = d = f"{base}_{cap}"
+    return d
+
 def pin_numerics() -> dict:
     "Select the AVX2 kernels of torch and MKL (unless the environment says otherwise); returns the settings in force."
     for k, v in NUMERIC_PINS.items(): os.environ.setdefault(k, v)
+    inductor_cache_per_isa(os.environ["ATEN_CPU_CAPABILITY"])   # compiled CPU code of another ISA is not reused
     return {k: os.environ[k] for k in NUMERIC_PINS}
 
 def numerics() -> dict:
