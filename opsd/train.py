@@ -760,10 +760,12 @@ def config_differences(old: dict, # a saved config.json
     if "steps" in out and old.get("scheduler") == new.get("scheduler") == "constant": del out["steps"]
     return out
 
+_FIX = "start over with --fresh (opsd train; fit(resume=False)), or use another run folder"
+
 def check_run_config(run_dir, cfg: OPSDConfig):
     "Refuse to resume `run_dir` with `cfg` when its saved config differs on a field that changes results."
     rd = RunDir(run_dir)
-    fix = "--fresh starts over, or choose another --out"
+    fix = _FIX
     if not rd.config_path.exists():
         if (rd.metrics_path.exists() and rd.metrics_path.stat().st_size) or rd.checkpoints():
             raise ValueError(f"run folder {rd.path} holds metrics or checkpoints but no config.json, so which config "
@@ -781,7 +783,7 @@ def check_same_base(run_dir, fingerprint: str | None):
     seen = [s["base_fingerprint"] for s in rd.starts() if s.get("base_fingerprint")]
     if seen and seen[-1] != fingerprint:
         raise ValueError(f"run folder {rd.path} was trained on base weights {seen[-1]}, but the model folder now holds "
-                         f"{fingerprint} (rebuilt or replaced); --fresh starts over, or choose another --out")
+                         f"{fingerprint} (rebuilt or replaced); {_FIX}")
 
 @patch
 def resume(self: OPSDTrainer) -> int:

@@ -131,8 +131,8 @@ def test_another_config_is_refused_and_fresh_clears_everything(tiny_ckpt, toy_pr
                            (dict(name="other"), "name: None -> 'other'")]:
         with pytest.raises(ValueError) as e:
             trainer(cfg.replace(**change), toy_problems).fit()
-        assert str(e.value) == (f"run folder {rd.path} holds a run with another config ({listed}); --fresh starts "
-                                "over, or choose another --out")
+        assert str(e.value) == (f"run folder {rd.path} holds a run with another config ({listed}); start over "
+                                "with --fresh (opsd train; fit(resume=False)), or use another run folder")
         assert snapshot(rd.path) == before, change
     trainer(cfg.replace(save_every=2), toy_problems).fit()          # where checkpoints fall may differ
     trainer(cfg.replace(clip="scaled"), toy_problems).fit(resume=False)
@@ -241,7 +241,8 @@ def test_resume_on_other_base_weights_is_refused(tiny_ckpt, toy_problems, tmp_pa
     with pytest.raises(ValueError) as e:
         trainer(cfg, toy_problems).fit()
     assert str(e.value) == (f"run folder {tmp_path / 'run'} was trained on base weights {old}, but the model folder now "
-                            f"holds {new} (rebuilt or replaced); --fresh starts over, or choose another --out")
+                            f"holds {new} (rebuilt or replaced); start over with --fresh (opsd train; "
+                            "fit(resume=False)), or use another run folder")
     assert snapshot(tmp_path / "run") == before
     trainer(cfg, toy_problems).fit(resume=False)
     assert [s["base_fingerprint"] for s in RunDir(tmp_path / "run").starts()] == [new]
