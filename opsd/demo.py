@@ -116,10 +116,15 @@ def run_job(job:dict, # from `demo_jobs`
     kw = toy_config(job["teacher"], **job["toy"]).problem_kw()
     out = dict(name=job["name"], run_dir=cfg.run_dir)
     if phase in ("train", "both"):
+        from opsd.train import check_run_config
+        from opsd.runs import latest_checkpoint, checkpoint_step
         t0 = time.perf_counter()
-        train_set = make_problems(2000, seed=job["seed"], split="train", **kw)
-        OPSDTrainer(cfg, train_set, model_path=str(path), grader=lambda t, a: grade(t, a, mode="exact"),
-                    prompt_config=TOY_PROMPT, progress=progress).fit(resume=True)
+        check_run_config(cfg.run_dir, cfg)              # a finished run of another config is refused, not kept
+        ck = latest_checkpoint(cfg.run_dir)
+        if ck is None or checkpoint_step(ck) < cfg.steps:   # trained already: nothing to load
+            train_set = make_problems(2000, seed=job["seed"], split="train", **kw)
+            OPSDTrainer(cfg, train_set, model_path=str(path), grader=lambda t, a: grade(t, a, mode="exact"),
+                        prompt_config=TOY_PROMPT, progress=progress).fit(resume=True)
         out["train_s"] = round(time.perf_counter() - t0, 1)
     if phase in ("eval", "both"):
         t1 = time.perf_counter()
