@@ -24,11 +24,11 @@ from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS',
-           'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'ASYNC_VLLM_CRASH', 'RESUME_MAY_DIFFER', 'OPSDConfig',
-           'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
-           'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
-           'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences', 'check_run_config', 'check_same_base',
-           'base_fingerprint', 'train', 'PendingRollout']
+           'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'ASYNC_VLLM_CRASH', 'RESUME_MAY_DIFFER',
+           'ASYNC_SWITCH_S', 'OPSDConfig', 'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing',
+           'bf16_adapter_compute', 'Teacher', 'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan',
+           'Samples', 'BackwardResult', 'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences',
+           'check_run_config', 'check_same_base', 'base_fingerprint', 'train', 'PendingRollout', 'TrainingJob']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -516,7 +516,7 @@ class OPSDTrainer:
         apply_kernels(self.unwrapped, cfg.kernels)
         _check_async(cfg, self.rollout, self.acc.device)
         self.step_done, self.resumed_from = 0, None
-        self._pending, self._side_stream = None, None   # async_rollout: the rollout of the next step; its CUDA stream
+        self._pending, self._train_stream = None, None   # async_rollout: the next step's rollout; training's stream
 
     @property
     def unwrapped(self): return self.acc.unwrap_model(self.model)
@@ -888,16 +888,26 @@ def train(cfg: OPSDConfig, problems: Sequence[dict] | None = None, resume: bool 
 # %% ../nbs/06_train.ipynb #a5f1c002
 @dataclass
 class PendingRollout:
-    "A rollout launched for a later step: its plan, the adapter it samples from, and (when done) samples or error."
+    "The rollout of a later step: its plan, the adapter it samples from (for resume) and, once run, its samples."
     plan: StepPlan
-    weights: dict  # the LoRA state (peft names) the engine held at launch: stored in checkpoints for resume
+    weights: dict  # the LoRA state (peft names) the engine held when it ran: stored in checkpoints for resume
     samples: Samples | None = None
+    seconds: float = 0.0
+
+@dataclass
+class TrainingJob:
+    "The training half of an async step (backward + update), in a thread on its own CUDA stream, or run at once."
+    step: int
+    back: BackwardResult | None = None
+    update: UpdateResult | None = None
     seconds: float = 0.0
     error: BaseException | None = None
     thread: object = None
 
+ASYNC_SWITCH_S = 0.001   # the GIL switch interval while training and rollout threads run together (Python's is 5 ms)
+
 def _sync_main(device):
-    "Wait for this thread's CUDA stream only (a device-wide synchronize would also wait for the rollout's kernels)."
+    "Wait for this thread's CUDA stream only (a device-wide synchronize would also wait for the other thread's kernels)."
     if torch.device(device).type == "cuda": torch.cuda.current_stream(device).synchronize()
 
 def _lora_state(model) -> dict:
@@ -905,61 +915,70 @@ def _lora_state(model) -> dict:
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 @patch
-def launch_rollout(self: OPSDTrainer, step: int) -> PendingRollout:
-    "Start the rollout of `step` from the engine's weights: a thread on a side CUDA stream, or at once on CPU."
+def launch_training(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> TrainingJob:
+    "Backward and update of `plan` on `samples`: on CUDA a thread on the training stream; on CPU at once, here."
     import threading
-    p = PendingRollout(self.plan(step), _lora_state(self.unwrapped))
-    cuda = self.acc.device.type == "cuda"
-    if cuda and getattr(self.rollout, "gen_model", None) is self.unwrapped:
-        raise ValueError("config field async_rollout=True: the HF rollout generates with the training model itself; "
-                         "use a merged HF engine (the trainer's default) or vLLM")
-    stream = torch.cuda.Stream(self.acc.device) if cuda and self._side_stream is None else self._side_stream
-    self._side_stream = stream
+    job, dev = TrainingJob(plan.step), self.acc.device
+    cuda = dev.type == "cuda"
+    if cuda and self._train_stream is None: self._train_stream = torch.cuda.Stream(dev)
+    stream = self._train_stream if cuda else None
     def work():
         t0 = time.perf_counter()
         try:
-            if stream is None: p.samples = self._generate(p.plan)
-            else:
-                with torch.cuda.device(stream.device), torch.cuda.stream(stream):   # this thread's device/stream
-                    p.samples = self._generate(p.plan)
-                stream.synchronize()
-        except BaseException as e: p.error = e
-        p.seconds = time.perf_counter() - t0
-    if stream is None: work()
-    else:
-        stream.wait_stream(torch.cuda.current_stream(self.acc.device))   # the engine's synced weights are written
-        p.thread = threading.Thread(target=work, name=f"opsd-rollout-{step}", daemon=True)
-        p.thread.start()
-    return p
+            with (torch.cuda.device(dev), torch.cuda.stream(stream)) if cuda else nullcontext():
+                job.back = self.backward_all(self.batches(plan.mine, samples.comps))
+                job.update = self.update()
+                if cuda: stream.synchronize()
+        except BaseException as e: job.error = e
+        job.seconds = time.perf_counter() - t0
+    if not cuda: work(); return job
+    stream.wait_stream(torch.cuda.current_stream(dev))   # the last sync's reads of θ and the adapter clone come first
+    job.thread = threading.Thread(target=work, name=f"opsd-train-{plan.step}", daemon=True)
+    job.thread.start()
+    return job
 
 @patch
-def join_rollout(self: OPSDTrainer, p: PendingRollout) -> Samples:
-    "Wait for a launched rollout; its samples (an error in the rollout is raised here, naming the step)."
-    if p.thread is not None: p.thread.join(); p.thread = None
-    if p.error is not None: raise RuntimeError(f"the rollout of step {p.plan.step} failed") from p.error
-    return p.samples
+def join_training(self: OPSDTrainer, job: TrainingJob) -> tuple[BackwardResult, UpdateResult]:
+    "Wait for a training job; order this thread's stream after it; raise its error naming the step."
+    if job.thread is not None: job.thread.join(); job.thread = None
+    if self._train_stream is not None: torch.cuda.current_stream(self.acc.device).wait_stream(self._train_stream)
+    if job.error is not None: raise RuntimeError(f"the training of step {job.step} failed") from job.error
+    return job.back, job.update
 
 @patch
 def _step_async(self: OPSDTrainer, step: int) -> dict:
-    "One step with the rollout of step+1 overlapped: train on the pending samples (from θ_{step-2}), join, sync."
+    "One step with the rollout of step+1 overlapped: train on the pending samples (from θ_{step-2}), then sync θ_step."
+    import sys
     dev, t0 = self.acc.device, time.perf_counter()
+    cuda = dev.type == "cuda"
+    if cuda and getattr(self.rollout, "gen_model", None) is self.unwrapped:
+        raise ValueError("config field async_rollout=True: the HF rollout generates with the training model itself; "
+                         "use a merged HF engine (the trainer's default) or vLLM")
     plan, p, self._pending = self.plan(step), self._pending, None
-    if p is not None and p.plan.step == step: samples, ran = self.join_rollout(p), 0.0   # ran in the last step
+    if p is not None and p.plan.step == step: samples, ran = p.samples, 0.0   # sampled during the last step
     else:   # the first step (or a resume without a stored rollout): sample this step's own batch first
         samples = self._generate(plan); _sync_main(dev); ran = time.perf_counter() - t0
-    t_ready = time.perf_counter()
-    nxt = self.launch_rollout(step + 1) if step < self.cfg.steps else None    # from θ_{step-1}, the engine's
+    nxt = PendingRollout(self.plan(step + 1), _lora_state(self.unwrapped)) if step < self.cfg.steps else None
     t1 = time.perf_counter()
-    back = self.backward_all(self.batches(plan.mine, samples.comps))
-    upd = self.update()
-    _sync_main(dev); t2 = time.perf_counter()
-    if nxt is not None: self.join_rollout(nxt); ran += nxt.seconds              # before the sync: never mid-rollout
-    t3 = time.perf_counter()
-    self.sync()
-    _sync_main(dev); t4 = time.perf_counter()
+    def roll():   # the next step's completions from the engine's θ_{step-1}; here, in the engine's own thread
+        r0 = time.perf_counter(); nxt.samples = self._generate(nxt.plan); _sync_main(dev)
+        nxt.seconds = time.perf_counter() - r0
+    if nxt is not None and not cuda: roll()   # CPU: in turn, the rollout first
+    switch = sys.getswitchinterval()
+    if cuda: sys.setswitchinterval(min(switch, ASYNC_SWITCH_S))
+    try:
+        job = self.launch_training(plan, samples)
+        try:
+            if nxt is not None and cuda: roll()
+        finally: back, upd = self.join_training(job)   # never leave the thread training under an error
+    finally: sys.setswitchinterval(switch)
+    t2 = time.perf_counter()
+    self.sync()                                          # θ_step to the engine, after its rollout finished
+    _sync_main(dev); t3 = time.perf_counter()
     self._pending = nxt
-    wait = (t_ready - t0) + (t1 - t_ready) + (t3 - t2)
-    times = Timings(rollout=ran, train=t2 - t1, sync=t4 - t3, rollout_wait=wait, overlap=max(ran - wait, 0.0))
+    ran += nxt.seconds if nxt is not None else 0.0
+    wait = (t1 - t0) + max((t2 - t1) - job.seconds, 0.0)   # the rollout time that training did not hide
+    times = Timings(rollout=ran, train=job.seconds, sync=t3 - t2, rollout_wait=wait, overlap=max(ran - wait, 0.0))
     row = self.metrics_row(step, samples=samples, back=back, update=upd, times=times,
                            sampled_acc=self._sampled_acc(plan, samples))
     self._keep_positions(step, back)
@@ -981,4 +1000,3 @@ def _regenerate_pending(self: OPSDTrainer, ck: Path) -> PendingRollout | None:
     finally:
         set_peft_model_state_dict(self.unwrapped, now)
     return p
-

@@ -157,9 +157,10 @@ def test_cli_set_async_rollout(tiny_ckpt, toy_data_file, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_async_thread_on_cuda_same_samples_and_overlap(sharp_ckpt, toy_problems, tmp_path):
-    """CUDA: the rollout of step t+1 runs in a thread on a side stream (HF merged engine); the completions trained on
-    equal the CPU semantics (a synchronous sample of step t from theta_{t-2}), and some rollout time is hidden under
-    training. Break to try: launching with a `stream` of None on CUDA (no overlap: time/overlap stays 0)."""
+    """CUDA: the training of step t runs in a thread on its own stream while the main thread samples step t+1 (HF
+    merged engine); the completions trained on equal the CPU semantics (a synchronous sample of step t from
+    theta_{t-2}), and some rollout time is hidden under training. Break to try: `launch_training` running the work at
+    once on CUDA too (no overlap: time/overlap stays 0)."""
     kw = dict(dtype="float32", batch_size=8, micro_batch_size=2, max_completion_length=32, lr=0.05, steps=4)
     tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "gpu", async_rollout=True, **kw)
     assert tr.acc.device.type == "cuda"
@@ -187,3 +188,62 @@ def test_async_with_vllm_on_cuda_is_refused(monkeypatch):
     _check_async(OPSDConfig(), VLLMRollout(), "cuda")             # synchronous: allowed
     monkeypatch.setenv("OPSD_ALLOW_ASYNC_VLLM", "1")
     _check_async(cfg, VLLMRollout(), "cuda")                      # a developer reproducing the crash
+
+
+VLLM_ASYNC_CHILD = r'''
+import json, sys
+import torch
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from opsd.toy import toy_tokenizer, make_problems
+from opsd.train import OPSDConfig, OPSDTrainer
+
+out = sys.argv[1]
+tok = toy_tokenizer()
+torch.manual_seed(1)
+cfg = Qwen3Config(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+                  initializer_range=0.2, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+Qwen3ForCausalLM(cfg).save_pretrained(out + "/base"); tok.save_pretrained(out + "/base")
+kw = dict(model=out + "/base", steps=5, batch_size=16, micro_batch_size=4, lr=0.05, scheduler="constant",
+          max_grad_norm=0.0, max_completion_length=48, log_positions=0, dtype="bfloat16", save_every=100,
+          padding="aligned", rollout="vllm", vllm_memory=0.2)
+probs = make_problems(64, seed=0, split="train")
+tr = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/async", async_rollout=True, **kw), probs, progress=False)
+lora = lambda t: {k: v.detach().clone() for k, v in get_peft_model_state_dict(t.unwrapped).items()}
+seen, theta, bat, upd = [], [lora(tr)], tr.batches, tr.update
+tr.batches = lambda mine, comps: seen.append([list(c) for c in comps]) or bat(mine, comps)
+tr.update = lambda: (upd(), theta.append(lora(tr)))[0]
+rows = [tr.step(s) for s in range(1, 6)]
+ref = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/ref", **kw), probs, progress=False, rollout=tr.rollout)
+want = []
+for t in range(1, 6):
+    set_peft_model_state_dict(ref.unwrapped, theta[max(t - 2, 0)]); ref.sync()
+    want.append([list(c) for c in ref.sample(ref.plan(t)).comps])
+set_peft_model_state_dict(ref.unwrapped, theta[2]); ref.sync()
+fresh3 = [list(c) for c in ref.sample(ref.plan(3)).comps]
+print("RESULT " + json.dumps(dict(seen=seen, want=want, fresh3=fresh3, overlap=[r["time/overlap"] for r in rows],
+                                  train=[r["time/train"] for r in rows])))
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_with_vllm_samples_from_two_updates_back(tmp_path):
+    """vLLM (CUDA graphs on) with async_rollout, in a fresh process: five steps run, each trains on exactly the
+    completions that a synchronous step samples from theta_{t-2} in the same engine, not those of theta_{t-1}, and
+    rollout time is hidden under training. The design it replaced (the rollout in a background thread) crashed with an
+    illegal memory access at its second overlapped step on the H200 (bench/h200-2026-12-03-speed/run1-all). Break to
+    try: syncing theta_t before the rollout of step t+1 is joined (step 3 then trains on theta_2's samples)."""
+    pytest.importorskip("vllm")
+    import sys
+    r = subprocess.run([sys.executable, "-c", VLLM_ASYNC_CHILD, str(tmp_path)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "OPSD_ALLOW_ASYNC_VLLM": "1"})
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, r.stderr[-3000:]
+    got = json.loads(line[len("RESULT "):])
+    for t, (a, b) in enumerate(zip(got["seen"], got["want"]), 1):
+        assert a == b, f"step {t}"
+    assert got["seen"][2] != got["fresh3"]
+    assert sum(got["overlap"][:-1]) > 0, got

@@ -1,0 +1,65 @@
+"""Issue 18: what one step of staleness (`async_rollout`) costs on the real model, SmolLM2-135M-Instruct, on one GPU.
+
+The demo's SmolLM2 recipe (the world preset: 50 steps of 32 completions, scaled clip), synchronous against async, over
+seeds, every run through `opsd.demo.run_world_jobs` (the trainer's own step) with one shared vLLM engine; then a greedy
+held-out evaluation (100 problems, 128 tokens: the sampled one is uninformative for a 135M model, bench README) of the
+base and of each run's last checkpoint through `opsd.eval.eval_runs` in the same engine. Prints and writes
+per-run effects and the paired async - sync differences with 95% t-intervals.
+Usage (H200, after the sets are unpacked): python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS]"""
+import json, sys, time
+from pathlib import Path
+
+import polars as pl
+from transformers import AutoTokenizer
+
+from opsd.demo import DemoRecipe, demo_jobs, run_world_jobs, demo_frames, seed_effects
+from opsd.eval import eval_runs
+from opsd.plots import seed_interval
+from opsd.rollout import SamplingConfig, make_rollout
+from opsd.worlds import resolve_world
+
+out, dest = Path(sys.argv[1]), Path(sys.argv[2])
+seeds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+t_all = time.perf_counter()
+w = resolve_world("smollm2")
+recipe = DemoRecipe(k=1)   # the demo's own sampled evaluation at k=1 (cheap); the greedy one below is the measure
+jobs = []
+for label, extra in (("sync", {}), ("async", {"async_rollout": True})):
+    for j in demo_jobs(out, clips=["scaled"], seeds=seeds, recipe=recipe, world="smollm2", **extra):
+        j["name"] = f"smollm2-scaled-{label}-s{j['seed']}"
+        j["run_dir"], j["label"] = str(out / j["name"]), label
+        jobs.append(j)
+jobs.sort(key=lambda j: (j["seed"], j["label"]))   # seed-major: a cut call leaves whole pairs
+path = w.path
+tok = AutoTokenizer.from_pretrained(path)
+t0 = time.perf_counter()
+engine = make_rollout("vllm", None, tok, path, max_model_len=1024, gpu_memory_utilization=0.2, sleep=False, seed=0,
+                      progress=False, merged=True)
+print(f"engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
+done = run_world_jobs(jobs, progress=True, engine=engine)
+test_set = w.problems(100, seed=10_000, split="test")
+prompt_cfg = w.prompt_config(None)
+greedy = SamplingConfig(temperature=0.0, max_new_tokens=128)
+t0 = time.perf_counter()
+eval_runs([j["run_dir"] for j in jobs], test_set, model_path=path, k=1, seeds=(0,), steps=[0, 50], backend=engine,
+          max_new_tokens=128, grade_mode=w.grade_mode, prompt_cfg=prompt_cfg, dtype=w.eval_dtype,
+          sampling=greedy, progress=False)
+print(f"greedy eval: {time.perf_counter() - t0:.0f} s", flush=True)
+metrics, evals, _ = demo_frames(out)
+fx = seed_effects(metrics, evals)
+label = {j["name"]: j["label"] for j in jobs}
+fx = fx.with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
+speed = (metrics.filter(pl.col("step") > 1).with_columns(pl.col("run").replace_strict(label, default=None)
+                                                          .alias("variant"))
+         .group_by("variant").agg(pl.col("seconds").median().alias("median_s_per_step"),
+                                 pl.col("time/rollout").median().alias("median_rollout_s"),
+                                 pl.col("time/train").median().alias("median_train_s")))
+res = dict(runs=fx.select("run", "variant", "seed", "acc_base", "acc_change", "kl_first", "kl_change").to_dicts(),
+           speed=speed.to_dicts(), train=done, seconds=round(time.perf_counter() - t_all, 1))
+w_ = fx.pivot(on="variant", index="seed", values=["acc_change", "kl_change"]).drop_nulls().sort("seed")
+for name in ("acc_change", "kl_change"):
+    if w_.height == 0: break
+    a, s = w_[f"{name}_async"].to_list(), w_[f"{name}_sync"].to_list()
+    res[name] = dict(sync=seed_interval(s), async_=seed_interval(a), diff=seed_interval([x - y for x, y in zip(a, s)]))
+dest.write_text(json.dumps(res, indent=1, default=float))
+print(json.dumps({k: v for k, v in res.items() if k != "train"}, indent=1, default=float))
