@@ -76,27 +76,46 @@ def environment() -> dict:
     env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", *NUMERIC_PINS) if k in os.environ}
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return dict(python=platform.python_version(), platform=platform.platform(), cpu=_cpu(), numerics=numerics(),
-                env=env, gpu=gpu, packages={p: _version(p) for p in _PACKAGES if _version(p) is not None})
+                env=env, gpu=gpu, packages={p: v for p in _PACKAGES if (v := _version(p)) is not None})
 
 # %% ../nbs/05a_repro.ipynb #6f8adf5f
-def weights_fingerprint(folder: str | Path, # a from_pretrained folder (*.safetensors) or one .safetensors file
-                       ) -> str: # 16 hex digits
-    "sha256 over every tensor's name, dtype, shape and bytes, in name order."
+_FINGERPRINTS: dict = {}  # _stamp(files) -> fingerprint: a folder is hashed once per process while it is unchanged
+_SETTLED_S = 1.0  # files changed this recently before a hash began are not cached (a same-tick rewrite keeps times)
+
+def _hash_weights(files: list[Path]) -> str:
+    "sha256 over the tensors of `files` (name, dtype, shape, bytes) in name order; each file is opened once."
     import torch
     from safetensors import safe_open
+    h = hashlib.sha256()
+    with contextlib.ExitStack() as stack:
+        where = {}  # tensor name -> the open file holding it (a name in two files: the later file's)
+        for f in files:
+            sf = stack.enter_context(safe_open(str(f), framework="pt"))
+            for k in sf.keys(): where[k] = sf
+        for name in sorted(where):
+            t = where[name].get_tensor(name).contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())   # the buffer itself, no copy
+    return h.hexdigest()[:16]
+
+def _stamp(files: list[Path]) -> tuple:
+    "What a rewrite, a replacement or a move of the files changes: path, device, inode, size, mtime, ctime."
+    return tuple((str(f.resolve()), s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
+                 for f in files for s in (f.stat(),))
+
+def weights_fingerprint(folder: str | Path, # a from_pretrained folder (*.safetensors) or one .safetensors file
+                       ) -> str: # 16 hex digits
+    "sha256 over every tensor's name, dtype, shape and bytes, in name order; kept per process while files are unchanged."
     folder = Path(folder)
     files = [folder] if folder.is_file() else sorted(folder.glob("*.safetensors"))
     if not files: raise FileNotFoundError(f"{folder}: no .safetensors weights to fingerprint")
-    h, tensors = hashlib.sha256(), {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys(): tensors[k] = (f, k)
-    for name in sorted(tensors):
-        f, k = tensors[name]
-        with safe_open(str(f), framework="pt") as sf: t = sf.get_tensor(k).contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    stamp = _stamp(files)
+    if stamp in _FINGERPRINTS: return _FINGERPRINTS[stamp]
+    begun = time.time_ns()
+    fp = _hash_weights(files)
+    settled = begun - int(_SETTLED_S * 1e9)
+    if _stamp(files) == stamp and all(mt < settled and ct < settled for *_, mt, ct in stamp): _FINGERPRINTS[stamp] = fp
+    return fp
 
 # %% ../nbs/05a_repro.ipynb #bfa794a6
 @contextlib.contextmanager
