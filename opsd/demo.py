@@ -137,18 +137,28 @@ def run_job(job:dict, # from `demo_jobs`
     return out
 
 # %% ../nbs/10b_demo.ipynb #42134a15
+def _toy_key(teacher:str, toy:dict)->tuple: return (teacher, json.dumps(toy, sort_keys=True))
+
+def _toy_bases(jobs:list[dict], progress:bool=True)->dict:
+    "Build (or find) the toy base of each (teacher, toy) of `jobs`, once; their weight fingerprints by `_toy_key`."
+    from opsd.toy import toy_fingerprint
+    fps = {}
+    for key in dict.fromkeys(_toy_key(j["teacher"], j["toy"]) for j in jobs):
+        t0 = time.perf_counter()
+        fps[key] = fp = toy_fingerprint(_toy_base(key[0], json.loads(key[1]), progress=progress))
+        if progress: print(f"[opsd demo] toy base '{key[0]}' ready ({time.perf_counter() - t0:.0f} s), "
+                           f"weights fingerprint {fp}", flush=True)
+    return fps
+
 def run_jobs(jobs:list[dict], workers:int|None=None, # processes; None = the machine's cores
-             progress:bool=True)->list[dict]:
+             progress:bool=True,
+             bases:dict|None=None, # `_toy_bases(jobs)` when the caller made them already (else made here)
+            )->list[dict]:
     "Run demo jobs (bases first, then one process per run); returns their timing records in job order."
     from concurrent.futures import ProcessPoolExecutor, wait, FIRST_COMPLETED
     import multiprocessing as mp
     workers = workers or os.cpu_count() or 1
-    for teacher, toy in {(j["teacher"], json.dumps(j["toy"], sort_keys=True)) for j in jobs}:
-        t0 = time.perf_counter()
-        from opsd.toy import toy_fingerprint
-        fp = toy_fingerprint(_toy_base(teacher, json.loads(toy), progress=progress))
-        if progress: print(f"[opsd demo] toy base '{teacher}' ready ({time.perf_counter() - t0:.0f} s), "
-                           f"weights fingerprint {fp}", flush=True)
+    if bases is None: _toy_bases(jobs, progress)
     done = {}
     say = lambda r: progress and print(f"[opsd demo] {r['name']}: train {r['train_s']:.0f} s, eval {r['eval_s']:.0f} s "
                                        f"({len(done)}/{len(jobs)})", flush=True)
@@ -379,7 +389,8 @@ def run_demo(out:str|Path="runs/demo", teachers:Sequence[str]=DEMO_TEACHERS, cli
     where = "in sequence, one rollout engine" if sequential else f"on {workers or os.cpu_count()} worker(s)"
     if progress: print(f"[opsd demo] {len(jobs)} runs ({len(teachers)} teacher(s) x {len(clips)} clips x "
                        f"{len(jobs) // max(len(teachers) * len(clips), 1)} seeds) {where}", flush=True)
-    timing = run_world_jobs(jobs, progress) if sequential else run_jobs(jobs, workers, progress)
+    fps = None if sequential else _toy_bases(jobs, progress)   # built and hashed once, printed and recorded
+    timing = run_world_jobs(jobs, progress) if sequential else run_jobs(jobs, workers, progress, fps)
     metrics, evals, positions = demo_frames(out)
     names = {j["name"] for j in jobs}
     metrics = metrics.filter(pl.col("run").is_in(names))
@@ -399,9 +410,7 @@ def run_demo(out:str|Path="runs/demo", teachers:Sequence[str]=DEMO_TEACHERS, cli
                                         title=f"opsd demo, {what}: {', '.join(CLIP_TITLES.get(c, c) for c in clips)} "
                                               f"({len(runs) // len(clips)} seeds)"))
     record = dict(environment=environment(), runs=sorted(names))
-    if not sequential:
-        from opsd.toy import toy_fingerprint
-        record["toy_bases"] = {t: toy_fingerprint(_toy_base(t, jobs[0]["toy"])) for t in teachers}
+    if not sequential: record["toy_bases"] = {t: fps[_toy_key(t, jobs[0]["toy"])] for t in teachers}
     (out / "demo.json").write_text(json.dumps(record, indent=1))
     secs = time.perf_counter() - t0
     bases = ", ".join(f"{t} {fp}" for t, fp in record.get("toy_bases", {}).items())
