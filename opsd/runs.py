@@ -96,9 +96,12 @@ def read_jsonl(path: str | Path) -> pl.DataFrame:
     rows = jsonl_rows(path)
     return pl.from_dicts(rows, infer_schema_length=None) if rows else pl.DataFrame()
 
-def write_atomic(path: str | Path, data: bytes | str) -> None:
-    "Replace a file's content atomically (a temporary file, fsynced, then renamed); on a full disk it is unchanged."
-    path = Path(path); tmp = path.with_name(path.name + ".tmp")
+def write_atomic(path: str | Path, # the file (created with its folder)
+                 data: bytes | str, # its whole new content (str: UTF-8)
+                ) -> None:
+    "The one atomic write: a temporary file beside it, fsynced, then os.replace; on a full disk the file is unchanged."
+    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")   # same folder (a rename across file systems is not atomic)
     data = data.encode("utf-8") if isinstance(data, str) else data
     try:
         write_bytes(tmp, data); os.replace(tmp, path)
@@ -152,9 +155,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         return self.path
 
-    def write_config(self, cfg: dict):
-        self.path.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.config_path, json.dumps(cfg, indent=2, default=str))
+    def write_config(self, cfg: dict): write_atomic(self.config_path, json.dumps(cfg, indent=2, default=str))
     def read_config(self) -> dict:
         if not self.config_path.exists():
             raise FileNotFoundError(f"{self.config_path}: no config (is {self.path} a run folder?)")
