@@ -896,7 +896,7 @@ class PendingRollout:
 
 @dataclass
 class TrainingJob:
-    "The training half of an async step (backward + update), in a thread on its own CUDA stream, or run at once."
+    "The training half of an async step (backward + update), in a thread (on CUDA on its own stream)."
     step: int
     back: BackwardResult | None = None
     update: UpdateResult | None = None
@@ -916,23 +916,22 @@ def _lora_state(model) -> dict:
 
 @patch
 def launch_training(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> TrainingJob:
-    "Backward and update of `plan` on `samples`: on CUDA a thread on the training stream; on CPU at once, here."
+    "Backward and update of `plan` on `samples` in a thread: on CUDA beside the rollout, on its own stream; on CPU after it."
     import threading
     job, dev = TrainingJob(plan.step), self.acc.device
     cuda = dev.type == "cuda"
     if cuda and self._train_stream is None: self._train_stream = torch.cuda.Stream(dev)
     stream = self._train_stream if cuda else None
-    def work():
+    def work():   # one code path: on CPU torch.cuda.device(-1) and torch.cuda.stream(None) do nothing
         t0 = time.perf_counter()
         try:
-            with (torch.cuda.device(dev), torch.cuda.stream(stream)) if cuda else nullcontext():
+            with torch.cuda.device(dev if cuda else -1), torch.cuda.stream(stream):
                 job.back = self.backward_all(self.batches(plan.mine, samples.comps))
                 job.update = self.update()
                 if cuda: stream.synchronize()
         except BaseException as e: job.error = e
         job.seconds = time.perf_counter() - t0
-    if not cuda: work(); return job
-    stream.wait_stream(torch.cuda.current_stream(dev))   # the last sync's reads of θ and the adapter clone come first
+    if cuda: stream.wait_stream(torch.cuda.current_stream(dev))   # the last sync's reads of θ and the adapter clone
     job.thread = threading.Thread(target=work, name=f"opsd-train-{plan.step}", daemon=True)
     job.thread.start()
     return job

@@ -3,8 +3,9 @@ on, step t trains on completions sampled from the adapter before step t-1's upda
 problems and seed; a resumed async run equals the uninterrupted one.
 
 Every trainer runs in float64 on CPU with one thread (bit-reproducible on one machine), so completions are compared
-exactly and metrics to rel 1e-10. On CPU the next rollout runs sequentially at launch (no overlap); the CUDA thread
-path is checked by the GPU test at the end (run by the lead on the H200). Each docstring names the deliberate break
+exactly and metrics to rel 1e-10. On CPU the next rollout runs first and the training then runs in the training
+thread while the main thread waits (no overlap): the thread code is the one CUDA runs, with its device and stream calls
+doing nothing; the overlap itself is checked by the GPU tests at the end (run by the lead on the H200). Each docstring names the deliberate break
 made once in a working copy of opsd/train.py, which made the test fail."""
 import json, os, subprocess
 from pathlib import Path
@@ -111,6 +112,28 @@ def test_async_trains_on_samples_from_two_updates_back(sharp_ckpt, toy_problems,
     for r in rows:  # CPU: sequential, nothing hidden; the step's seconds count the wait
         assert r["time/overlap"] == 0.0 and r["time/rollout_wait"] > 0
         assert r["seconds"] == pytest.approx(r["time/rollout_wait"] + r["time/train"] + r["time/sync"])
+
+
+def test_async_training_runs_in_the_training_thread_on_cpu(sharp_ckpt, toy_problems, tmp_path):
+    """On CPU the backward and update of an async step run in the `opsd-train-<step>` thread through the same code as
+    on CUDA (the first CUDA version's device/stream context was a tuple on CUDA only and failed at step 1 on the H200,
+    while the CPU took another branch), the rollouts stay in the main thread, and the thread's metrics equal the
+    in-thread reference of the other tests. Break that made it fail: `launch_training` calling `work()` at once on
+    CPU (the training then runs in MainThread)."""
+    import threading
+    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "thr", async_rollout=True, steps=3)
+    where = dict(batches=[], update=[], generate=[])
+    bat, upd, gen = tr.batches, tr.update, tr.rollout.generate
+
+    def note(kind, fn):
+        def f(*a, **k):
+            where[kind].append(threading.current_thread().name); return fn(*a, **k)
+        return f
+    tr.batches, tr.update, tr.rollout.generate = note("batches", bat), note("update", upd), note("generate", gen)
+    rows = [tr.step(s) for s in range(1, 4)]
+    assert where["batches"] == where["update"] == [f"opsd-train-{s}" for s in (1, 2, 3)]
+    assert set(where["generate"]) == {"MainThread"} and len(where["generate"]) == 3   # steps 1, 2, 3 (none after 3)
+    assert all(r["time/train"] > 0 for r in rows)
 
 
 def test_async_resume_equals_uninterrupted_run(sharp_ckpt, toy_problems, tmp_path):
