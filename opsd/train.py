@@ -24,11 +24,11 @@ from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS',
-           'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'ASYNC_VLLM_CRASH', 'RESUME_MAY_DIFFER',
-           'ASYNC_SWITCH_S', 'OPSDConfig', 'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing',
-           'bf16_adapter_compute', 'Teacher', 'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan',
-           'Samples', 'BackwardResult', 'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences',
-           'check_run_config', 'check_same_base', 'base_fingerprint', 'train', 'PendingRollout', 'TrainingJob']
+           'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'ASYNC_SWITCH_S', 'OPSDConfig',
+           'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
+           'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
+           'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences', 'check_run_config', 'check_same_base',
+           'base_fingerprint', 'train', 'PendingRollout', 'TrainingJob']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -453,18 +453,6 @@ def _final_hidden(model, inputs: dict, L: int):
     finally: hook.remove()
     return got["h"][:, -L - 1:-1]
 
-ASYNC_VLLM_CRASH = "bench/h200-2026-12-03-speed/run1-all/e2e_speed.log"
-
-def _check_async(cfg, rollout, device):
-    "Refuse async_rollout where it is known to fail: vLLM in a thread beside training on one GPU (see nbs/12_bench)."
-    if not cfg.async_rollout or torch.device(device).type != "cuda": return
-    if type(rollout).__name__ == "VLLMRollout" and os.environ.get("OPSD_ALLOW_ASYNC_VLLM", "") in ("", "0"):
-        raise RuntimeError("config field async_rollout=True with the vLLM engine on CUDA: refused. On the H200 it "
-                           "crashed with a CUDA illegal memory access at the first overlapped step (Qwen3-1.7B shape, "
-                           f"{ASYNC_VLLM_CRASH}); with CUDA_LAUNCH_BLOCKING=1 it ran, so a race between the rollout "
-                           "thread and training is the likely cause. Use async_rollout=False, or "
-                           "OPSD_ALLOW_ASYNC_VLLM=1 to debug it")
-
 class OPSDTrainer:
     "Runs OPSD for a config on a list of problem records; writes the run folder."
     def __init__(self, cfg: OPSDConfig,
@@ -514,7 +502,6 @@ class OPSDTrainer:
         if rollout is not None: self.sync()   # a shared engine may hold another run's student: load ours first
         # after the rollout is made: HFRollout copies the model, and a compiled copy would recompile under generate
         apply_kernels(self.unwrapped, cfg.kernels)
-        _check_async(cfg, self.rollout, self.acc.device)
         self.step_done, self.resumed_from = 0, None
         self._pending, self._train_stream = None, None   # async_rollout: the next step's rollout; training's stream
 
