@@ -33,8 +33,8 @@ setup() {
   echo "$want" > "$VENV/.opsd-installed"
 }
 
-chromium() {  # kaleido (PNG export) needs a Chrome; Debian's chromium works offline
-  command -v chromium >/dev/null 2>&1 && return 0
+need_chromium() {  # kaleido (PNG export) needs a Chrome; Debian's chromium works offline
+  type -P chromium >/dev/null 2>&1 && return 0   # type -P: a program on PATH, not this function
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "[dev.sh] installing Debian's chromium for PNG export"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) >/dev/null 2>&1 \
@@ -81,8 +81,8 @@ docs() {  # nbdev_docs needs quarto (not installable offline): standalone pages 
 
 cmd="${1:-help}"; shift || true
 case "$cmd" in
-  demo) setup; chromium; exec "$VENV/bin/opsd" demo "$@" ;;
-  test) setup; chromium; run_tests ;;
+  demo) setup; need_chromium; exec "$VENV/bin/opsd" demo "$@" ;;
+  test) setup; need_chromium; run_tests ;;
   opsd) setup; exec "$VENV/bin/opsd" "$@" ;;
   setup) setup ;;
   readme) setup; readme ;;

@@ -13,7 +13,7 @@ import polars as pl
 from plotly.subplots import make_subplots
 
 # %% auto #0
-__all__ = ['PNG_MAX_COLORS', 'CLIP_COLORS', 'CLIP_ORDER', 'TEMPLATE', 'png_pixels', 'compress_png', 'kaleido_ok',
+__all__ = ['PNG_MAX_COLORS', 'CLIP_COLORS', 'CLIP_ORDER', 'TEMPLATE', 'png_pixels', 'compress_png', 'find_chrome', 'kaleido_ok',
            'notebook_figures', 'clip_color', 'over_steps', 'synthetic_metrics', 'kl_drift', 'loss_by_clip',
            'entry_loss_sign', 'argmax_clipped', 'argmax_clipped_vs_tau', 'clipped_mass_vs_divergence',
            'synthetic_positions', 'grad_cos', 'by_kl_band', 't_quantile', 'seed_interval', 'accuracy',
@@ -125,6 +125,24 @@ from plotly.io._base_renderers import PngRenderer
 _KALEIDO_OK: bool | None = None
 
 
+def find_chrome() -> str | None:
+    "Path of the Chrome/Chromium kaleido would use (honours BROWSER_PATH), or None when there is no runnable one."
+    import os
+    import shutil
+
+    try:
+        from choreographer.browsers.chromium import Chromium
+
+        path = Chromium.find_browser(skip_local=False)
+    except Exception:  # an older or newer choreographer: fall back to PATH
+        path = os.environ.get("BROWSER_PATH") or next(
+            (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome", "chrome")) if p), None)
+    if not path:
+        return None
+    path = shutil.which(path) or path
+    return path if (os.path.isfile(path) and os.access(path, os.X_OK)) else None
+
+
 def kaleido_ok() -> bool:
     "True when kaleido can render a PNG here (a Chrome is found); the answer is cached."
     global _KALEIDO_OK
@@ -132,6 +150,8 @@ def kaleido_ok() -> bool:
         try:
             import warnings
             import kaleido
+            if find_chrome() is None:   # no browser: kaleido's server would wait for one forever (a hung test)
+                _KALEIDO_OK = False; return False
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 kaleido.start_sync_server(silence_warnings=True)  # one browser for all figures

@@ -22,8 +22,8 @@ from .eval import summarize_eval
 from . import plots
 
 # %% auto #0
-__all__ = ['eval_summary', 'run_summary', 'report_figures', 'find_chrome', 'write_pngs', 'token_view_fragment',
-           'report_from_frames', 'load_run', 'unique_run_labels', 'write_report']
+__all__ = ['eval_summary', 'run_summary', 'report_figures', 'write_pngs', 'token_view_fragment', 'report_from_frames', 'load_run',
+           'unique_run_labels', 'write_report']
 
 # %% ../nbs/10_report.ipynb #997c2d22
 _CONFIG_KEYS = ("clip", "tau", "beta")
@@ -149,24 +149,6 @@ def report_figures(
             figs[name] = (title, plots.accuracy(e, metric="avg_at_k", title=title + ": avg@k"))
     return figs
 
-# %% ../nbs/10_report.ipynb #0a312228
-def find_chrome() -> str | None:
-    "Path of the Chrome/Chromium kaleido would use (honours BROWSER_PATH), or None when there is no runnable one."
-    import os
-    import shutil
-
-    try:
-        from choreographer.browsers.chromium import Chromium
-
-        path = Chromium.find_browser(skip_local=False)
-    except Exception:  # an older or newer choreographer: fall back to PATH
-        path = os.environ.get("BROWSER_PATH") or next(
-            (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome", "chrome")) if p), None)
-    if not path:
-        return None
-    path = shutil.which(path) or path
-    return path if (os.path.isfile(path) and os.access(path, os.X_OK)) else None
-
 # %% ../nbs/10_report.ipynb #fa8def1b
 def write_pngs(
     figs: dict[str, go.Figure],  # name -> figure
@@ -182,7 +164,7 @@ def write_pngs(
     paths = [out_dir / f"{name}.png" for name in figs]
     how = ("kaleido needs a Chrome/Chromium: on Debian/Ubuntu `apt-get install -y --no-install-recommends chromium`, "
            "or set BROWSER_PATH. The HTML report is still written.")
-    if find_chrome() is None:  # checked first: kaleido's server thread dies without one and a write would hang
+    if plots.find_chrome() is None:  # checked first: kaleido's server thread dies without one and a write would hang
         warnings.warn(f"opsd.report: PNGs not written: no Chrome/Chromium found. {how}", stacklevel=2)
         return []
     old_mathjax = pio.defaults.mathjax

@@ -298,7 +298,19 @@ def test_compress_png_exact_below_256_colours_else_nearest():
     assert plots.compress_png(png) == png  # alpha is kept by keeping the file
 
 
-@pytest.mark.skipif(report.find_chrome() is None, reason="no Chrome/Chromium for kaleido")
+def test_kaleido_ok_without_a_browser_does_not_start_kaleido(monkeypatch):
+    """With no Chrome/Chromium found, `kaleido_ok` answers False without starting kaleido's server: started without a
+    browser, that server waited forever and hung `nbdev_test` (seen on a fresh machine where dev.sh had not installed
+    chromium). Break that made it fail: the `find_chrome()` check removed from `kaleido_ok`."""
+    import kaleido
+    started = []
+    monkeypatch.setattr(plots, "find_chrome", lambda: None)
+    monkeypatch.setattr(plots, "_KALEIDO_OK", None)
+    monkeypatch.setattr(kaleido, "start_sync_server", lambda *a, **k: started.append(1))
+    assert plots.kaleido_ok() is False and started == []
+
+
+@pytest.mark.skipif(plots.find_chrome() is None, reason="no Chrome/Chromium for kaleido")
 def test_notebook_figures_saves_one_small_png(metrics):
     "A figure displays as ONE indexed PNG (no plotly JSON), close to kaleido's own PNG and several times smaller."
     import base64
@@ -354,7 +366,7 @@ def _is_png(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-HAVE_CHROME = report.find_chrome() is not None
+HAVE_CHROME = plots.find_chrome() is not None
 
 
 @pytest.fixture(scope="module")
