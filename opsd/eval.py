@@ -310,25 +310,13 @@ def data_hash(problems: Sequence[dict]) -> str:
     return _sha([[_problem_id(p, i), str(p["problem"]), str(p["answer"])] for i, p in enumerate(problems)])
 
 
-_FINGERPRINTS: dict = {}  # (path, files' names/sizes/mtimes) -> fingerprint: a base is hashed once per process
-
-
-def _fingerprint(path: Path) -> str:
-    "`opsd.repro.weights_fingerprint` of a folder or file, cached while its files are unchanged."
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    stamp = (str(path.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-    if stamp not in _FINGERPRINTS:
-        _FINGERPRINTS[stamp] = weights_fingerprint(path)
-    return _FINGERPRINTS[stamp]
-
-
 def checkpoint_fingerprint(checkpoint) -> str:
     "Fingerprint of a checkpoint's LoRA weights (`weights_fingerprint` of its adapter_model.safetensors)."
     a = adapter_dir(checkpoint)
     if a is None:
         raise FileNotFoundError(f"{checkpoint}: no LoRA adapter (adapter_config.json) in it or in a sub-folder")
     f = a / "adapter_model.safetensors"
-    return _fingerprint(f if f.exists() else a)
+    return weights_fingerprint(f if f.exists() else a)   # cached per process (05a_repro)
 
 
 def base_fingerprint(model, model_path=None) -> str:
@@ -337,7 +325,7 @@ def base_fingerprint(model, model_path=None) -> str:
 
     name = str(model_path or getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     if name and Path(name).is_dir() and any(Path(name).glob("*.safetensors")):
-        return _fingerprint(Path(name))
+        return weights_fingerprint(Path(name))
     if name:
         return f"name:{name}"
     h = hashlib.sha256()
