@@ -288,7 +288,7 @@ def _check_args(a):
 
 def main(argv=None):
     "The `opsd` console script: bad input is one line `opsd: error: ...` and exit code 2; a bug keeps its traceback."
-    pin_numerics()  # before torch's first CPU operation (opsd.repro): the same arithmetic on every x86 machine
+    pin_numerics()  # before torch's first CPU operation (opsd.repro): the same arithmetic on every Intel x86 machine
     a = parser().parse_args(argv)
     try:
         _check_args(a)

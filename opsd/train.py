@@ -465,7 +465,7 @@ class OPSDTrainer:
                 ):
         from accelerate import Accelerator
         if not problems: raise ValueError("no problems to train on")
-        pin_numerics()   # torch's and MKL's AVX2 kernels on every x86 CPU, unless the environment says otherwise
+        pin_numerics()   # torch's and MKL's AVX2 kernels on x86 CPUs, unless the environment says otherwise
         self.cfg, self.problems, self.grader, self.progress = cfg, list(problems), grader, progress
         world = accelerator.num_processes if accelerator is not None else int(os.environ.get("WORLD_SIZE", 1))
         if cfg.batch_size % world:

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The arithmetic a user's `opsd` command uses (AVX2 kernels: nbs/05a_repro), before any test computes: stored values
-# then hold on any x86 CPU, and subprocesses inherit the same setting.
+# then hold on Intel x86 CPUs (an AMD CPU differs through MKL: tests/test_repro.py), and subprocesses inherit it.
 from opsd.repro import pin_numerics  # noqa: E402
 pin_numerics()
 
