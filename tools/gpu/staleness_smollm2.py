@@ -4,8 +4,12 @@ The demo's SmolLM2 recipe (the world preset: 50 steps of 32 completions, scaled 
 seeds, every run through `opsd.demo.run_world_jobs` (the trainer's own step) with one shared vLLM engine; then a greedy
 held-out evaluation (100 problems, 128 tokens: the sampled one is uninformative for a 135M model, bench README) of the
 base and of each run's last checkpoint through `opsd.eval.eval_runs` in the same engine. Prints and writes
-per-run effects and the paired async - sync differences with 95% t-intervals.
-Usage (H200, after the sets are unpacked): python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS]"""
+per-run effects and the paired async - sync differences with 95% t-intervals. Seed by seed: each pair is trained,
+evaluated and written to OUT_JSON before the next starts, so a call cut by its time box keeps every finished pair
+(the first run, 2026-12-04, trained 5.5 of 6 runs and evaluated none).
+Usage (H200, after the sets are unpacked): python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--smoke]
+--smoke: the same code on CPU at toy size (2 steps of 4 completions, 16 tokens, 4 held-out problems, HF engine), to
+check the script before a GPU call; its numbers mean nothing."""
 import json, sys, time
 from pathlib import Path
 
@@ -18,11 +22,17 @@ from opsd.plots import seed_interval
 from opsd.rollout import SamplingConfig, make_rollout
 from opsd.worlds import resolve_world
 
-out, dest = Path(sys.argv[1]), Path(sys.argv[2])
-seeds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+args = [a for a in sys.argv[1:] if a != "--smoke"]
+smoke = "--smoke" in sys.argv
+out, dest = Path(args[0]), Path(args[1])
+seeds = int(args[2]) if len(args) > 2 else 3
 t_all = time.perf_counter()
 w = resolve_world("smollm2")
 recipe = DemoRecipe(k=1)   # the demo's own sampled evaluation at k=1 (cheap); the greedy one below is the measure
+if smoke:
+    recipe = DemoRecipe(k=1, n_eval=4, config=dict(steps=2, batch_size=4, micro_batch_size=4,
+                                                   max_completion_length=16, save_every=2, rollout="hf"))
+n_test, last, new_tokens = (4, 2, 16) if smoke else (100, 50, 128)
 jobs = []
 for label, extra in (("sync", {}), ("async", {"async_rollout": True})):
     for j in demo_jobs(out, clips=["scaled"], seeds=seeds, recipe=recipe, world="smollm2", **extra):
@@ -33,33 +43,44 @@ jobs.sort(key=lambda j: (j["seed"], j["label"]))   # seed-major: a cut call leav
 path = w.path
 tok = AutoTokenizer.from_pretrained(path)
 t0 = time.perf_counter()
-engine = make_rollout("vllm", None, tok, path, max_model_len=1024, gpu_memory_utilization=0.2, sleep=False, seed=0,
-                      progress=False, merged=True)
+engine = None if smoke else make_rollout("vllm", None, tok, path, max_model_len=1024, gpu_memory_utilization=0.2,
+                                         sleep=False, seed=0, progress=False, merged=True)
 print(f"engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
-done = run_world_jobs(jobs, progress=True, engine=engine)
-test_set = w.problems(100, seed=10_000, split="test")
+test_set = w.problems(n_test, seed=10_000, split="test")
 prompt_cfg = w.prompt_config(None)
-greedy = SamplingConfig(temperature=0.0, max_new_tokens=128)
-t0 = time.perf_counter()
-eval_runs([j["run_dir"] for j in jobs], test_set, model_path=path, k=1, seeds=(0,), steps=[0, 50], backend=engine,
-          max_new_tokens=128, grade_mode=w.grade_mode, prompt_cfg=prompt_cfg, dtype=w.eval_dtype,
-          sampling=greedy, progress=False)
-print(f"greedy eval: {time.perf_counter() - t0:.0f} s", flush=True)
-metrics, evals, _ = demo_frames(out)
-fx = seed_effects(metrics, evals)
+greedy = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)
 label = {j["name"]: j["label"] for j in jobs}
-fx = fx.with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
-speed = (metrics.filter(pl.col("step") > 1).with_columns(pl.col("run").replace_strict(label, default=None)
-                                                          .alias("variant"))
-         .group_by("variant").agg(pl.col("seconds").median().alias("median_s_per_step"),
-                                 pl.col("time/rollout").median().alias("median_rollout_s"),
-                                 pl.col("time/train").median().alias("median_train_s")))
-res = dict(runs=fx.select("run", "variant", "seed", "acc_base", "acc_change", "kl_first", "kl_change").to_dicts(),
-           speed=speed.to_dicts(), train=done, seconds=round(time.perf_counter() - t_all, 1))
-w_ = fx.pivot(on="variant", index="seed", values=["acc_change", "kl_change"]).drop_nulls().sort("seed")
-for name in ("acc_change", "kl_change"):
-    if w_.height == 0: break
-    a, s = w_[f"{name}_async"].to_list(), w_[f"{name}_sync"].to_list()
-    res[name] = dict(sync=seed_interval(s), async_=seed_interval(a), diff=seed_interval([x - y for x, y in zip(a, s)]))
-dest.write_text(json.dumps(res, indent=1, default=float))
+
+
+def summarize(done: list) -> dict:
+    "Per-run effects, step times and the paired async - sync differences of the runs evaluated so far."
+    metrics, evals, _ = demo_frames(out)
+    evals = evals.filter(pl.col("key_temperature") == 0.0)   # the greedy rows, not the demo's own sampled ones
+    fx = seed_effects(metrics, evals).with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
+    speed = (metrics.filter(pl.col("step") > 1).with_columns(pl.col("run").replace_strict(label, default=None)
+                                                              .alias("variant"))
+             .group_by("variant").agg(pl.col("seconds").median().alias("median_s_per_step"),
+                                     pl.col("time/rollout").median().alias("median_rollout_s"),
+                                     pl.col("time/train").median().alias("median_train_s")))
+    res = dict(runs=fx.select("run", "variant", "seed", "acc_base", "acc_change", "kl_first", "kl_change").to_dicts(),
+               speed=speed.to_dicts(), train=done, seconds=round(time.perf_counter() - t_all, 1))
+    w_ = fx.pivot(on="variant", index="seed", values=["acc_change", "kl_change"]).drop_nulls().sort("seed")
+    for name in ("acc_change", "kl_change"):
+        if w_.height == 0 or f"{name}_async" not in w_.columns: break
+        a, s = w_[f"{name}_async"].to_list(), w_[f"{name}_sync"].to_list()
+        res[name] = dict(sync=seed_interval(s), async_=seed_interval(a), diff=seed_interval([x - y for x, y in zip(a, s)]))
+    return res
+
+
+done = []
+for seed in sorted({j["seed"] for j in jobs}):
+    pair = [j for j in jobs if j["seed"] == seed]
+    done += run_world_jobs(pair, progress=True, engine=engine)
+    t0 = time.perf_counter()
+    eval_runs([j["run_dir"] for j in pair], test_set, model_path=path, k=1, seeds=(0,), steps=[0, last],
+              backend=engine or "hf", max_new_tokens=new_tokens, grade_mode=w.grade_mode, prompt_cfg=prompt_cfg,
+              dtype=w.eval_dtype, sampling=greedy, progress=False)
+    print(f"seed {seed}: greedy eval {time.perf_counter() - t0:.0f} s", flush=True)
+    res = summarize(done)
+    dest.write_text(json.dumps(res, indent=1, default=float))   # after every pair: a cut call keeps what finished
 print(json.dumps({k: v for k, v in res.items() if k != "train"}, indent=1, default=float))
