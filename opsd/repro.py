@@ -13,7 +13,7 @@ __all__ = ['NUMERIC_PINS', 'inductor_cache_per_isa', 'pin_numerics', 'numerics',
 
 # %% ../nbs/05a_repro.ipynb #842b6cfc
 NUMERIC_PINS = {"ATEN_CPU_CAPABILITY": "avx2",   # torch's CPU kernels: the AVX2 build on every x86 machine (same bits
-                                                 # on Intel CPUs; AMD's differ through MKL, see above)
+                                                 # on Intel CPUs; AMD's differ through MKL: the notes below)
                 "MKL_CBWR": "AVX2"}              # MKL's conditional numerical reproducibility: the AVX2 code path
 
 def inductor_cache_per_isa(capability: str | None = None) -> str:

@@ -903,7 +903,7 @@ def _lora_state(model) -> dict:
 
 @patch
 def launch_training(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> TrainingJob:
-    "Backward and update of `plan` on `samples` in a thread: on CUDA beside the rollout, on its own stream; on CPU after it."
+    "Backward and update of `plan` on `samples` in a thread: on CUDA beside the rollout (own stream), on CPU after it."
     import threading
     job, dev = TrainingJob(plan.step), self.acc.device
     cuda = dev.type == "cuda"

@@ -92,5 +92,6 @@ def test_same_numbers_on_any_thread_setting_and_after_resume(tmp_path):
         return
     want = stored[vendor]
     assert first["base"] == want["base"], (f"the toy base's fingerprint {first['base']} is not the stored "
-                                           f"{want['base']} of {vendor}: the arithmetic differs from the stored machine's")
+                                           f"{want['base']} of {vendor}: the arithmetic differs from the stored "
+                                           "machine's")
     assert first["metrics"] == want["metrics"], f"the run's metrics differ from the values stored for {vendor}"

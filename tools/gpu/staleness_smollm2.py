@@ -68,7 +68,8 @@ def summarize(done: list) -> dict:
     for name in ("acc_change", "kl_change"):
         if w_.height == 0 or f"{name}_async" not in w_.columns: break
         a, s = w_[f"{name}_async"].to_list(), w_[f"{name}_sync"].to_list()
-        res[name] = dict(sync=seed_interval(s), async_=seed_interval(a), diff=seed_interval([x - y for x, y in zip(a, s)]))
+        res[name] = dict(sync=seed_interval(s), async_=seed_interval(a),
+                         diff=seed_interval([x - y for x, y in zip(a, s)]))
     return res
 
 
