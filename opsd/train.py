@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_train.ipynb #81ecd379
 from __future__ import annotations
-import dataclasses, io, json, math, os, random, shutil, signal, time, warnings
+import collections, dataclasses, io, json, math, os, random, shutil, signal, time, warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -28,7 +28,7 @@ __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUT
            'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
            'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
            'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences', 'check_run_config', 'check_same_base',
-           'base_fingerprint', 'train', 'PendingRollout', 'TrainingJob']
+           'base_fingerprint', 'train', 'PendingRollout', 'TrainingJob', 'LaunchThrottle']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -98,6 +98,9 @@ class OPSDConfig:
     replicate_rollout: bool = False  # every process samples the whole step batch (exactly equal to 1 process)
     async_rollout: bool = False  # one step off-policy: step t trains on completions sampled before step t-1's update,
     #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
+    async_queue: int = 2  # async_rollout on CUDA: at most this many decoder layers of training kernels queued; the
+    #                       training thread then waits with the GIL released instead of blocking in a launch (0: no cap)
+    async_priority: bool = True  # async_rollout on CUDA: the rollout runs on a high-priority CUDA stream
     # prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)
     # logging
@@ -113,7 +116,7 @@ class OPSDConfig:
                 raise ValueError(f"config field {k}={getattr(self, k)!r}: must be one of {allowed}")
         ranges = dict(batch_size=(1, None), micro_batch_size=(1, None), steps=(1, None), save_every=(1, None),
                       max_completion_length=(1, None), lora_r=(1, None), fused_chunk=(1, None), warmup_steps=(0, None),
-                      log_positions=(0, None), sample_top_k=(0, None), beta=(0, 1), checkpointing=(0, 1),
+                      log_positions=(0, None), sample_top_k=(0, None), async_queue=(0, None), beta=(0, 1), checkpointing=(0, 1),
                       lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None))
         ranges.update(seed=(0, 2**32 - 1), cpu_threads=(0, None))   # seed: numpy's seeds are 32-bit
         for k, (lo, hi) in ranges.items():
@@ -504,6 +507,7 @@ class OPSDTrainer:
         apply_kernels(self.unwrapped, cfg.kernels)
         self.step_done, self.resumed_from = 0, None
         self._pending, self._train_stream = None, None   # async_rollout: the next step's rollout; training's stream
+        self._roll_stream = None   # async_rollout + async_priority: the rollout's high-priority stream
 
     @property
     def unwrapped(self): return self.acc.unwrap_model(self.model)
@@ -890,12 +894,35 @@ class TrainingJob:
     seconds: float = 0.0
     error: BaseException | None = None
     thread: object = None
+    throttle_waits: int = 0   # how often the training thread waited for its queue (`LaunchThrottle`)
 
 ASYNC_SWITCH_S = 0.001   # the GIL switch interval while training and rollout threads run together (Python's is 5 ms)
 
 def _sync_main(device):
     "Wait for this thread's CUDA stream only (a device-wide synchronize would also wait for the other thread's kernels)."
     if torch.device(device).type == "cuda": torch.cuda.current_stream(device).synchronize()
+
+class LaunchThrottle:
+    """Cap the CUDA work one thread keeps queued, counted in decoder layers: after each layer's forward (and before
+    its backward) an event is recorded, and the thread waits for the event `depth` layers back. `Event.synchronize`
+    releases the GIL; a kernel launch that finds the device's queue full blocks while holding it, so without a cap the
+    training thread starves the rollout thread of the GIL (an observation on one H200: the rollout ran at about a third
+    of its speed beside training)."""
+    def __init__(self, depth: int, event=None): # event: a factory of objects with record()/synchronize()
+        self.depth, self.events, self.waits, self.event = depth, collections.deque(), 0, event or torch.cuda.Event
+    def mark(self):
+        ev = self.event(); ev.record()           # on the calling thread's current stream (autograd: the layer's)
+        self.events.append(ev)
+        while len(self.events) > self.depth: self.events.popleft().synchronize(); self.waits += 1
+    def _forward(self, module, args, out):
+        self.mark()
+        t = out if isinstance(out, torch.Tensor) else next((o for o in out if isinstance(o, torch.Tensor)), None)
+        if t is not None and t.requires_grad: t.register_hook(lambda g: self.mark())   # before this layer's backward
+    def attach(self, model) -> list:
+        "Forward hooks on every `*DecoderLayer` of `model`; returns the handles (remove them when done)."
+        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        if not layers: raise ValueError(f"LaunchThrottle: no *DecoderLayer module in {type(model).__name__}")
+        return [m.register_forward_hook(self._forward) for m in layers]
 
 def _lora_state(model) -> dict:
     from peft.utils import get_peft_model_state_dict
@@ -909,15 +936,19 @@ def launch_training(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> Trai
     cuda = dev.type == "cuda"
     if cuda and self._train_stream is None: self._train_stream = torch.cuda.Stream(dev)
     stream = self._train_stream if cuda else None
+    throttle = LaunchThrottle(self.cfg.async_queue) if cuda and self.cfg.async_queue else None
     def work():   # one code path: on CPU torch.cuda.device(-1) and torch.cuda.stream(None) do nothing
         t0 = time.perf_counter()
+        hooks = throttle.attach(self.unwrapped) if throttle else []
         try:
             with torch.cuda.device(dev if cuda else -1), torch.cuda.stream(stream):
                 job.back = self.backward_all(self.batches(plan.mine, samples.comps))
                 job.update = self.update()
                 if cuda: stream.synchronize()
         except BaseException as e: job.error = e
-        job.seconds = time.perf_counter() - t0
+        finally:
+            for h in hooks: h.remove()
+        job.seconds, job.throttle_waits = time.perf_counter() - t0, throttle.waits if throttle else 0
     if cuda: stream.wait_stream(torch.cuda.current_stream(dev))   # the last sync's reads of θ and the adapter clone
     job.thread = threading.Thread(target=work, name=f"opsd-train-{plan.step}", daemon=True)
     job.thread.start()
@@ -946,8 +977,14 @@ def _step_async(self: OPSDTrainer, step: int) -> dict:
         samples = self._generate(plan); _sync_main(dev); ran = time.perf_counter() - t0
     nxt = PendingRollout(self.plan(step + 1), _lora_state(self.unwrapped)) if step < self.cfg.steps else None
     t1 = time.perf_counter()
+    if cuda and self.cfg.async_priority and self._roll_stream is None:   # lower number = higher priority (clamped)
+        self._roll_stream = torch.cuda.Stream(dev, priority=-(2**16))
+    rs = self._roll_stream if cuda and self.cfg.async_priority else None
     def roll():   # the next step's completions from the engine's θ_{step-1}; here, in the engine's own thread
-        r0 = time.perf_counter(); nxt.samples = self._generate(nxt.plan); _sync_main(dev)
+        r0 = time.perf_counter()
+        if rs is not None: rs.wait_stream(torch.cuda.current_stream(dev))   # after the last sync into the engine
+        with torch.cuda.stream(rs):          # None: the current stream (vLLM replays its graphs on either)
+            nxt.samples = self._generate(nxt.plan); _sync_main(dev)
         nxt.seconds = time.perf_counter() - r0
     if nxt is not None and not cuda: roll()   # CPU: in turn, the rollout first
     switch = sys.getswitchinterval()

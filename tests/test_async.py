@@ -136,6 +136,36 @@ def test_async_training_runs_in_the_training_thread_on_cpu(sharp_ckpt, toy_probl
     assert all(r["time/train"] > 0 for r in rows)
 
 
+def test_launch_throttle_marks_each_layer_forward_and_backward(tiny_ckpt):
+    """`LaunchThrottle` (the async training thread's cap on queued CUDA work) on a real Qwen3, with a recording event
+    in place of torch.cuda.Event (CPU has no events): one mark after each decoder layer's forward, one before each
+    layer's backward, and at each mark a wait for the mark `depth` back, oldest first; removing the handles ends it.
+    Break to try: no tensor hook on the layer's output (the backward then marks nothing)."""
+    from transformers import AutoModelForCausalLM
+    from opsd.train import LaunchThrottle
+    log = []
+
+    class Rec:
+        def __init__(self): self.n = sum(e[0] == "mark" for e in log); log.append(("mark", self.n))
+        def record(self): pass
+        def synchronize(self): log.append(("wait", self.n))
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    layers = model.config.num_hidden_layers
+    th = LaunchThrottle(1, event=Rec)
+    hooks = th.attach(model)
+    loss = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]])).logits.float().square().mean()
+    assert [e for e in log if e[0] == "mark"] == [("mark", i) for i in range(layers)]   # forward: one per layer
+    loss.backward()
+    marks = [e[1] for e in log if e[0] == "mark"]
+    assert marks == list(range(2 * layers))                                              # backward: one per layer
+    assert [e[1] for e in log if e[0] == "wait"] == list(range(2 * layers - 1)) and th.waits == 2 * layers - 1
+    for h in hooks: h.remove()
+    model(input_ids=torch.tensor([[5, 6]]))
+    assert len(log) == 4 * layers - 1                                                    # detached: nothing more
+    with pytest.raises(ValueError, match="DecoderLayer"): th.attach(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="async_queue"): OPSDConfig.toy(async_queue=-1)
+
+
 def test_async_resume_equals_uninterrupted_run(sharp_ckpt, toy_problems, tmp_path):
     """An async run stopped after step 2 and resumed from its step-2 checkpoint equals the uninterrupted async run:
     the completions trained on and every numeric metric of steps 3-4, bit for bit (the pending rollout of step 3 is

@@ -6,7 +6,7 @@
 #   tests   only the GPU checks of tests/test_kernels.py
 #   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4)
 #   stall   pytest tests/test_gpu_stall.py (needs the smollm2 set too; about 2-3 minutes)
-#   async   e2e with ASYNC_VARIANTS (time box LIMIT - 100 s), then the async+vLLM test of tests/test_async.py
+#   async   e2e with ASYNC_VARIANTS (time box LIMIT - 100 s), then the CUDA tests of tests/test_async.py (HF, vLLM)
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
 # $OUT/e2e_speed.jsonl as each variant finishes, so a run cut by the time limit keeps the variants it finished.
@@ -48,12 +48,13 @@ rows = [json.loads(l) for l in open('$OUT/e2e_speed.jsonl')]
 print(e2e_table(rows)); print(); print(floors_table(rows))" > "$OUT/e2e_speed.md" 2>&1 && cat "$OUT/e2e_speed.md"
 }
 
-ASYNC_VARIANTS="released,opsd best,opsd best + async,opsd best + liger,opsd best + kernels + async"
+ASYNC_VARIANTS="released,opsd best + liger,opsd best + kernels + async,opsd best + kernels + async (plain)"
+ASYNC_VARIANTS="$ASYNC_VARIANTS,opsd best + kernels + async (cap only),opsd best + kernels + async (priority only)"
 case ${1:-} in
 async)
   liger; VARIANTS=${VARIANTS:-$ASYNC_VARIANTS} RESERVE=100 e2e
   t0=$(date +%s)
-  timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q tests/test_async.py -k vllm \
+  timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q tests/test_async.py -k "vllm or cuda" \
     -p no:cacheprovider 2>&1 | tee "$OUT/test_async_vllm.log" | tail -4
   echo "test_async (vLLM) wall $(( $(date +%s) - t0 )) s"
   ;;
