@@ -100,7 +100,7 @@ class OPSDConfig:
     #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
     async_queue: int = 2  # async_rollout on CUDA: at most this many decoder layers of training kernels queued; the
     #                       training thread then waits with the GIL released instead of blocking in a launch (0: no cap)
-    async_priority: bool = True  # async_rollout on CUDA: the rollout runs on a high-priority CUDA stream
+    async_priority: bool = False  # async_rollout on CUDA: the rollout on a high-priority CUDA stream (experimental)
     # prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)
     # logging

@@ -49,7 +49,7 @@ print(e2e_table(rows)); print(); print(floors_table(rows))" > "$OUT/e2e_speed.md
 }
 
 ASYNC_VARIANTS="released,opsd best + liger,opsd best + kernels + async,opsd best + kernels + async (plain)"
-ASYNC_VARIANTS="$ASYNC_VARIANTS,opsd best + kernels + async (cap only),opsd best + kernels + async (priority only)"
+ASYNC_VARIANTS="$ASYNC_VARIANTS,opsd best + kernels + async + priority"   # last: it crashed the process once
 case ${1:-} in
 async)
   liger; VARIANTS=${VARIANTS:-$ASYNC_VARIANTS} RESERVE=100 e2e
