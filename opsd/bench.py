@@ -325,6 +325,7 @@ E2E_VARIANTS["opsd best + kernels + async"] = dict(E2E_VARIANTS["opsd best"], as
 # before 2026-12-04; and the rollout on a high-priority stream (async_priority, off by default: see 06_train)
 _KA = E2E_VARIANTS["opsd best + kernels + async"]
 E2E_VARIANTS["opsd best + kernels + async (plain)"] = dict(_KA, async_queue=0)
+E2E_VARIANTS["opsd best + kernels + async (cap 8)"] = dict(_KA, async_queue=8)
 E2E_VARIANTS["opsd best + kernels + async + priority"] = dict(_KA, async_priority=True)
 # compile's warm-up (Inductor) is the longest: it runs late, so a time-boxed run keeps the others
 E2E_DEFAULT = ["released", "opsd best", "opsd best + liger", "opsd best + async", "opsd best + compile",
