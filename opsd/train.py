@@ -98,9 +98,8 @@ class OPSDConfig:
     replicate_rollout: bool = False  # every process samples the whole step batch (exactly equal to 1 process)
     async_rollout: bool = False  # one step off-policy: step t trains on completions sampled before step t-1's update,
     #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
-    async_queue: int = 2  # async_rollout on CUDA: at most this many decoder layers of training kernels queued; the
-    #                       training thread then waits with the GIL released instead of blocking in a launch (0: no cap)
-    async_priority: bool = False  # async_rollout on CUDA: the rollout on a high-priority CUDA stream (experimental)
+    async_queue: int = 0  # async_rollout on CUDA: cap the training thread's queued work at this many decoder layers
+    #                       (`LaunchThrottle`; 0: no cap, the default: no gain was measured, see 06_train)
     # prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)
     # logging
@@ -507,7 +506,6 @@ class OPSDTrainer:
         apply_kernels(self.unwrapped, cfg.kernels)
         self.step_done, self.resumed_from = 0, None
         self._pending, self._train_stream = None, None   # async_rollout: the next step's rollout; training's stream
-        self._roll_stream = None   # async_rollout + async_priority: the rollout's high-priority stream
 
     @property
     def unwrapped(self): return self.acc.unwrap_model(self.model)
@@ -905,9 +903,11 @@ def _sync_main(device):
 class LaunchThrottle:
     """Cap the CUDA work one thread keeps queued, counted in decoder layers: after each layer's forward (and before
     its backward) an event is recorded, and the thread waits for the event `depth` layers back. `Event.synchronize`
-    releases the GIL; a kernel launch that finds the device's queue full blocks while holding it, so without a cap the
-    training thread starves the rollout thread of the GIL (an observation on one H200: the rollout ran at about a third
-    of its speed beside training)."""
+    releases the GIL; a kernel launch that finds the device's queue full blocks while holding it. The hypothesis: an
+    uncapped training thread starves the rollout thread of the GIL. Measured on one H200 (1.7B, 12_bench): a cap of
+    2 layers cut the rollout's wait 2.58 -> 2.16 s but slowed training 2.52 -> 3.56 s (step 5.13 -> 5.80 s); 8 layers
+    gave 5.07 s, within the spread. So the rollout slows beside training by sharing the GPU, not the GIL: off by
+    default (`OPSDConfig.async_queue=0`), kept to reproduce that measurement."""
     def __init__(self, depth: int, event=None): # event: a factory of objects with record()/synchronize()
         self.depth, self.events, self.waits, self.event = depth, collections.deque(), 0, event or torch.cuda.Event
     def mark(self):
@@ -977,14 +977,8 @@ def _step_async(self: OPSDTrainer, step: int) -> dict:
         samples = self._generate(plan); _sync_main(dev); ran = time.perf_counter() - t0
     nxt = PendingRollout(self.plan(step + 1), _lora_state(self.unwrapped)) if step < self.cfg.steps else None
     t1 = time.perf_counter()
-    if cuda and self.cfg.async_priority and self._roll_stream is None:   # lower number = higher priority (clamped)
-        self._roll_stream = torch.cuda.Stream(dev, priority=-(2**16))
-    rs = self._roll_stream if cuda and self.cfg.async_priority else None
     def roll():   # the next step's completions from the engine's θ_{step-1}; here, in the engine's own thread
-        r0 = time.perf_counter()
-        if rs is not None: rs.wait_stream(torch.cuda.current_stream(dev))   # after the last sync into the engine
-        with torch.cuda.stream(rs):          # None: the current stream (vLLM replays its graphs on either)
-            nxt.samples = self._generate(nxt.plan); _sync_main(dev)
+        r0 = time.perf_counter(); nxt.samples = self._generate(nxt.plan); _sync_main(dev)
         nxt.seconds = time.perf_counter() - r0
     if nxt is not None and not cuda: roll()   # CPU: in turn, the rollout first
     switch = sys.getswitchinterval()
