@@ -115,8 +115,8 @@ class OPSDConfig:
                 raise ValueError(f"config field {k}={getattr(self, k)!r}: must be one of {allowed}")
         ranges = dict(batch_size=(1, None), micro_batch_size=(1, None), steps=(1, None), save_every=(1, None),
                       max_completion_length=(1, None), lora_r=(1, None), fused_chunk=(1, None), warmup_steps=(0, None),
-                      log_positions=(0, None), sample_top_k=(0, None), async_queue=(0, None), beta=(0, 1), checkpointing=(0, 1),
-                      lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None))
+                      log_positions=(0, None), sample_top_k=(0, None), beta=(0, 1), checkpointing=(0, 1),
+                      lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None), async_queue=(0, None))
         ranges.update(seed=(0, 2**32 - 1), cpu_threads=(0, None))   # seed: numpy's seeds are 32-bit
         for k, (lo, hi) in ranges.items():
             v = getattr(self, k)
@@ -892,7 +892,6 @@ class TrainingJob:
     seconds: float = 0.0
     error: BaseException | None = None
     thread: object = None
-    throttle_waits: int = 0   # how often the training thread waited for its queue (`LaunchThrottle`)
 
 ASYNC_SWITCH_S = 0.001   # the GIL switch interval while training and rollout threads run together (Python's is 5 ms)
 
@@ -948,7 +947,7 @@ def launch_training(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> Trai
         except BaseException as e: job.error = e
         finally:
             for h in hooks: h.remove()
-        job.seconds, job.throttle_waits = time.perf_counter() - t0, throttle.waits if throttle else 0
+        job.seconds = time.perf_counter() - t0
     if cuda: stream.wait_stream(torch.cuda.current_stream(dev))   # the last sync's reads of θ and the adapter clone
     job.thread = threading.Thread(target=work, name=f"opsd-train-{plan.step}", daemon=True)
     job.thread.start()
