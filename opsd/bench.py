@@ -15,8 +15,8 @@ from .fused import fused_divergence, bf16_case, grad_error
 __all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'E2E_DEFAULT', 'sync', 'time_fn', 'cuda_peak_extra',
            'rss_bytes', 'reset_peak_rss', 'max_rss_bytes', 'naive_loss', 'run_loss_variant', 'reference_grad',
            'loss_bench_cpu', 'loss_bench_cuda', 'format_table', 'loss_table', 'random_qwen3_checkpoint',
-           'bench_problems', 'rollout_bench', 'rollout_table', 'e2e_bench', 'e2e_table', 'floors_table', 'model_costs',
-           'phase_floors', 'device_rates', 'main']
+           'bench_problems', 'rollout_bench', 'rollout_table', 'e2e_bench', 'baseline_drift', 'e2e_table',
+           'floors_table', 'model_costs', 'phase_floors', 'device_rates', 'main']
 
 # %% ../nbs/12_bench.ipynb #f44ed421
 def sync(device) -> None:
@@ -352,6 +352,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
               progress: bool = False,
               rates: dict | None = None, # gemm_tflops / mem_gbps for the floors (default: measured here, once)
               jsonl=None, # append each variant's row to this file as soon as it is done
+              bracket: bool = True, # measure the first variant again at the end (`baseline_drift`)
              ) -> list[dict]:
     "Median seconds per `OPSDTrainer.step` (rollout/train/sync/overlap), tok/s, peak memory, floors, per variant."
     import gc, tempfile, traceback
@@ -362,11 +363,14 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
     cuda = torch.cuda.is_available()
     rates = rates or device_rates("cuda" if cuda else "cpu")
     shared, rows, costs = None, [], None
-    for name, over in variants.items():
-        slug = name.replace(" ", "-").replace("+", "p")
+    todo = [(n, o, None) for n, o in variants.items()]
+    if bracket and len(todo) > 1: todo.append((f"{todo[0][0]} (again)", todo[0][1], todo[0][0]))
+    for name, over, again_of in todo:
+        slug = name.replace(" ", "-").replace("+", "p").replace("(", "").replace(")", "")
         over = dict(over); kernels = over.pop("kernels", "none"); choice = None
         if kernels == "best": kernels, choice = _best_kernels(rows)
         row = dict(variant=name, **over, kernels=kernels, kernels_choice=choice, steps=steps, warmup=warmup)
+        if again_of: row["again_of"] = again_of
         tr = None
         try:
             cfg = OPSDConfig(**{**E2E_COMMON, **(common or {}), **over, "model": str(model_dir),
@@ -419,9 +423,22 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
         if cuda: torch.cuda.empty_cache()
     return rows
 
+def _baseline(rows: list[dict]) -> list[dict]:
+    "The first row and its repeat at the end of the run (`e2e_bench(bracket=True)`), when there is one."
+    return [r for r in rows if rows and (r is rows[0] or r.get("again_of") == rows[0]["variant"])]
+
+def baseline_drift(rows: list[dict]) -> str | None:
+    "One line on the two measurements of the first variant: their s/step and how far apart they are."
+    b = [r.get("s_per_step") for r in _baseline(rows)]
+    if len(b) < 2 or None in b: return None
+    return (f"{rows[0]['variant']} measured at the start and at the end of the run: {b[0]:.2f} and {b[1]:.2f} s/step "
+            f"({100 * (b[1] / b[0] - 1):+.0f}%); 'vs' ratios use the faster of the two")
+
 def e2e_table(rows: list[dict]) -> str:
-    "Markdown table of e2e rows, tokens/s relative to the first (released) row, phases against their floors."
-    base = rows[0].get("tokens_per_s") if rows else None
+    """Markdown table of e2e rows, phases against their floors, and tokens/s relative to the first (released) row:
+    the faster of its two measurements when the run measured it again at the end, so that a baseline slowed by the
+    machine cannot inflate a speedup."""
+    base = max((r["tokens_per_s"] for r in _baseline(rows) if r.get("tokens_per_s")), default=None)
     out = [{**r, "ratio": r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None} for r in rows]
     return format_table(out, [("variant", "variant", ""), ("kernels", "kernels", ""),
                               ("micro_batch_size", "micro-batch", ""), ("s_per_step", "s/step", ".2f"),
@@ -520,6 +537,8 @@ def main(argv=None):
     p.add_argument("--model", default=None,
                    help="e2e/rollout: checkpoint folder (default: a random Qwen3-1.7B-shaped one, built once)")
     p.add_argument("--steps", type=int, default=4, help="e2e: timed steps per variant")
+    p.add_argument("--no-bracket", action="store_true",
+                   help="e2e: do not measure the first variant again at the end of the run")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rollout", "--backend", dest="rollout", default="auto", choices=["auto", "hf", "vllm"])
     p.add_argument("--vllm-memory", type=float, default=None)
@@ -547,8 +566,9 @@ def main(argv=None):
         unknown = set(names) - set(E2E_VARIANTS)
         if unknown: raise SystemExit(f"unknown e2e variants {sorted(unknown)}; known: {list(E2E_VARIANTS)}")
         rows = e2e_bench(_bench_model(a), {n: E2E_VARIANTS[n] for n in names}, steps=a.steps, warmup=a.warmup,
-                         rollout=a.rollout, vllm_memory=a.vllm_memory or 0.3, jsonl=a.jsonl)
-        table = e2e_table(rows) + "\n\n" + floors_table(rows)
+                         rollout=a.rollout, vllm_memory=a.vllm_memory or 0.3, jsonl=a.jsonl,
+                         bracket=not a.no_bracket)
+        table = e2e_table(rows) + "\n\n" + (baseline_drift(rows) or "") + "\n\n" + floors_table(rows)
     else:
         if not cuda: raise SystemExit("rollout needs a CUDA device (Qwen3-1.7B's shape)")
         rows = rollout_bench(_bench_model(a), a.rollout, batches=tuple(int(b) for b in a.batches.split(",")),
