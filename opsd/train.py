@@ -99,7 +99,7 @@ class OPSDConfig:
     async_rollout: bool = False  # one step off-policy: step t trains on completions sampled before step t-1's update,
     #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
     async_queue: int = 0  # async_rollout on CUDA: cap the training thread's queued work at this many decoder layers
-    #                       (`LaunchThrottle`; 0: no cap, the default: no gain was measured, see 06_train)
+    #                       (`LaunchThrottle`; 0: no cap, the default: the cap gained nothing on the H200)
     # prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)
     # logging
