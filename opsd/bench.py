@@ -322,9 +322,8 @@ E2E_VARIANTS["opsd best + async"] = dict(E2E_VARIANTS["opsd best"], async_rollou
 # async with whichever of none/liger/compile trained fastest earlier in the same run
 E2E_VARIANTS["opsd best + kernels + async"] = dict(E2E_VARIANTS["opsd best"], async_rollout=True, kernels="best")
 # the training thread's queued work capped at 2 or 8 decoder layers (OPSDConfig.async_queue; measured 2026-12-04)
-_KA = E2E_VARIANTS["opsd best + kernels + async"]
-E2E_VARIANTS["opsd best + kernels + async (cap 2)"] = dict(_KA, async_queue=2)
-E2E_VARIANTS["opsd best + kernels + async (cap 8)"] = dict(_KA, async_queue=8)
+for cap in (2, 8): E2E_VARIANTS[f"opsd best + kernels + async (cap {cap})"] = dict(
+    E2E_VARIANTS["opsd best + kernels + async"], async_queue=cap)
 # compile's warm-up (Inductor) is the longest: it runs late, so a time-boxed run keeps the others
 E2E_DEFAULT = ["released", "opsd best", "opsd best + liger", "opsd best + async", "opsd best + compile",
                "opsd best + kernels + async"]
@@ -425,7 +424,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
 
 def _baseline(rows: list[dict]) -> list[dict]:
     "The first row and its repeat at the end of the run (`e2e_bench(bracket=True)`), when there is one."
-    return [r for r in rows if rows and (r is rows[0] or r.get("again_of") == rows[0]["variant"])]
+    return [r for r in rows if r is rows[0] or r.get("again_of") == rows[0]["variant"]]
 
 def baseline_drift(rows: list[dict]) -> str | None:
     "One line on the two measurements of the first variant: their s/step and how far apart they are."

@@ -908,11 +908,11 @@ class LaunchThrottle:
     gave 5.07 s, within the spread. So the rollout slows beside training by sharing the GPU, not the GIL: off by
     default (`OPSDConfig.async_queue=0`), kept to reproduce that measurement."""
     def __init__(self, depth: int, event=None): # event: a factory of objects with record()/synchronize()
-        self.depth, self.events, self.waits, self.event = depth, collections.deque(), 0, event or torch.cuda.Event
+        self.depth, self.events, self.event = depth, collections.deque(), event or torch.cuda.Event
     def mark(self):
         ev = self.event(); ev.record()           # on the calling thread's current stream (autograd: the layer's)
         self.events.append(ev)
-        while len(self.events) > self.depth: self.events.popleft().synchronize(); self.waits += 1
+        while len(self.events) > self.depth: self.events.popleft().synchronize()
     def _forward(self, module, args, out):
         self.mark()
         t = out if isinstance(out, torch.Tensor) else next((o for o in out if isinstance(o, torch.Tensor)), None)
