@@ -321,9 +321,12 @@ E2E_VARIANTS["opsd best + compile"] = dict(E2E_VARIANTS["opsd best"], kernels="c
 E2E_VARIANTS["opsd best + async"] = dict(E2E_VARIANTS["opsd best"], async_rollout=True)
 # async with whichever of none/liger/compile trained fastest earlier in the same run
 E2E_VARIANTS["opsd best + kernels + async"] = dict(E2E_VARIANTS["opsd best"], async_rollout=True, kernels="best")
-# the training thread's queued work capped at 2 or 8 decoder layers (OPSDConfig.async_queue; measured 2026-12-04)
-for cap in (2, 8): E2E_VARIANTS[f"opsd best + kernels + async (cap {cap})"] = dict(
-    E2E_VARIANTS["opsd best + kernels + async"], async_queue=cap)
+# levers on how the overlapped halves share the GPU (OPSDConfig fields), each against the default async row: the
+# training thread's queued work capped at 2 or 8 decoder layers (async_queue; measured 2026-12-04), training's stream
+# level with the engine's instead of below it (async_priority), 32 SMs left free of training's GEMMs (async_carveout)
+for lever, over in [("cap 2", dict(async_queue=2)), ("cap 8", dict(async_queue=8)),
+                    ("equal priority", dict(async_priority=False)), ("carveout 32", dict(async_carveout=32))]:
+    E2E_VARIANTS[f"opsd best + kernels + async ({lever})"] = dict(E2E_VARIANTS["opsd best + kernels + async"], **over)
 # compile's warm-up (Inductor) is the longest: it runs late, so a time-boxed run keeps the others
 E2E_DEFAULT = ["released", "opsd best", "opsd best + liger", "opsd best + async", "opsd best + compile",
                "opsd best + kernels + async"]

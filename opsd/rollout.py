@@ -15,7 +15,7 @@ from .loss import sampled_token_logprobs
 # %% auto #0
 __all__ = ['WARM_SAMPLINGS', 'VLLM_FIX', 'ROLLOUT_BACKENDS', 'SamplingConfig', 'Rollout', 'finish_rows', 'HFRollout',
            'merged_state_dict', 'vllm_sampling_kwargs', 'sampler_variant', 'sampler_warmup_sizes', 'vllm_env',
-           'require_vllm', 'VLLMRollout', 'resolve_backend', 'make_rollout']
+           'require_vllm', 'engine_stream', 'VLLMRollout', 'resolve_backend', 'make_rollout']
 
 # %% ../nbs/05_rollout.ipynb #cdfad322
 @dataclass
@@ -287,6 +287,16 @@ def require_vllm():
         raise RuntimeError(f"vllm is installed but fails to import ({type(e).__name__}: {e}): {VLLM_FIX}") from e
     return vllm
 
+def engine_stream(device=None) -> "torch.cuda.Stream":
+    """Give this thread a high-priority CUDA stream for a vLLM engine about to start, unless a non-default stream is
+    already current (an earlier engine's: vLLM keeps one stream per thread and captures and replays its CUDA graphs on
+    it). vLLM adopts the thread's current stream as its own, so the engine runs on this stream from its start and no
+    stream is ever switched under it. Only matters when another stream runs beside it (`async_rollout`: the training
+    thread's stream has the lowest priority, so the GPU schedules the rollout's kernels first). Returns the stream."""
+    if torch.cuda.current_stream(device) == torch.cuda.default_stream(device):
+        torch.cuda.set_stream(torch.cuda.Stream(device, priority=-(2**16)))   # clamped to CUDA's highest priority
+    return torch.cuda.current_stream(device)
+
 class VLLMRollout:
     "Sample completions with a colocated `vllm.LLM`; `sync_weights` loads the student's merged weights."
     def __init__(self, model_path, # local model folder (the base checkpoint the student was created from)
@@ -319,6 +329,8 @@ class VLLMRollout:
                   enable_sleep_mode=enable_sleep_mode,
                   dtype=dtype, max_model_len=max_model_len, seed=seed, **llm_kwargs)
         if logprobs_mode is not None: kw["logprobs_mode"] = logprobs_mode
+        vllm.LLM  # noqa: B018  (resolves vLLM's lazy import, which patches torch.cuda.set_stream, so that vLLM
+        engine_stream()                 # takes the stream set here as its own)
         t0 = time.perf_counter()
         try: llm = vllm.LLM(**kw)
         except Exception as e:
@@ -328,6 +340,7 @@ class VLLMRollout:
                                f"of one max_model_len={max_model_len} sequence and leaves room for training; the "
                                f"environment set for vLLM: {vllm_env() or 'already set'}") from e
         self.start_seconds = time.perf_counter() - t0
+        self.stream = torch.cuda.current_stream()   # vLLM's: its CUDA graphs were captured on it
         self._vllm, self.llm, self.progress = vllm, llm, progress
         self.enable_sleep_mode, self.source = enable_sleep_mode, source
         self.asleep, self.weights_valid = 0, True  # sleep level (0 = awake); False after a level-2 sleep until reloaded

@@ -28,7 +28,7 @@ __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUT
            'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
            'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
            'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences', 'check_run_config', 'check_same_base',
-           'base_fingerprint', 'train', 'PendingRollout', 'TrainingJob', 'LaunchThrottle']
+           'base_fingerprint', 'train', 'PendingRollout', 'TrainingJob', 'LaunchThrottle', 'sm_carveout']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -100,6 +100,9 @@ class OPSDConfig:
     #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
     async_queue: int = 0  # async_rollout on CUDA: cap the training thread's queued work at this many decoder layers
     #                       (`LaunchThrottle`; 0: no cap, the default: the cap gained nothing on the H200)
+    async_priority: bool = True  # async_rollout on CUDA: the training thread's stream at the lowest priority, below
+    #                              the engine's high-priority stream (`engine_stream`); False: equal priorities
+    async_carveout: int = 0  # async_rollout on CUDA: SMs that training's cuBLAS GEMMs leave free while the rollout runs
     # prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)
     # logging
@@ -116,7 +119,8 @@ class OPSDConfig:
         ranges = dict(batch_size=(1, None), micro_batch_size=(1, None), steps=(1, None), save_every=(1, None),
                       max_completion_length=(1, None), lora_r=(1, None), fused_chunk=(1, None), warmup_steps=(0, None),
                       log_positions=(0, None), sample_top_k=(0, None), beta=(0, 1), checkpointing=(0, 1),
-                      lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None), async_queue=(0, None))
+                      lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None), async_queue=(0, None),
+                      async_carveout=(0, None))
         ranges.update(seed=(0, 2**32 - 1), cpu_threads=(0, None))   # seed: numpy's seeds are 32-bit
         for k, (lo, hi) in ranges.items():
             v = getattr(self, k)
@@ -923,6 +927,17 @@ class LaunchThrottle:
         if not layers: raise ValueError(f"LaunchThrottle: no *DecoderLayer module in {type(model).__name__}")
         return [m.register_forward_hook(self._forward) for m in layers]
 
+@contextmanager
+def sm_carveout(n: int):
+    """Inside, cuBLAS GEMMs target `n` fewer SMs, leaving them to other streams' kernels (process-wide, restored on
+    exit; 0 changes nothing). GEMMs replayed from CUDA graphs keep the SM count they were captured with, so vLLM's
+    decoding is unaffected while the trainer's eager GEMMs leave those SMs free for it."""
+    if not n: yield; return
+    get, put = torch._C._get_sm_carveout_experimental, torch._C._set_sm_carveout_experimental
+    old = get(); put(n)
+    try: yield
+    finally: put(old)
+
 def _lora_state(model) -> dict:
     from peft.utils import get_peft_model_state_dict
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
@@ -933,7 +948,9 @@ def launch_training(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> Trai
     import threading
     job, dev = TrainingJob(plan.step), self.acc.device
     cuda = dev.type == "cuda"
-    if cuda and self._train_stream is None: self._train_stream = torch.cuda.Stream(dev)
+    if cuda and self._train_stream is None:   # 0 is CUDA's lowest priority; else level with the engine's stream
+        prio = 0 if self.cfg.async_priority else torch.cuda.current_stream(dev).priority
+        self._train_stream = torch.cuda.Stream(dev, priority=prio)
     stream = self._train_stream if cuda else None
     throttle = LaunchThrottle(self.cfg.async_queue) if cuda and self.cfg.async_queue else None
     def work():   # one code path: on CPU torch.cuda.device(-1) and torch.cuda.stream(None) do nothing
@@ -980,13 +997,18 @@ def _step_async(self: OPSDTrainer, step: int) -> dict:
         r0 = time.perf_counter(); nxt.samples = self._generate(nxt.plan); _sync_main(dev)
         nxt.seconds = time.perf_counter() - r0
     if nxt is not None and not cuda: roll()   # CPU: in turn, the rollout first
+    carve = self.cfg.async_carveout
+    if cuda and carve >= torch.cuda.get_device_properties(dev).multi_processor_count:
+        raise ValueError(f"config field async_carveout={carve}: must be below the GPU's "
+                         f"{torch.cuda.get_device_properties(dev).multi_processor_count} SMs")
     switch = sys.getswitchinterval()
     if cuda: sys.setswitchinterval(min(switch, ASYNC_SWITCH_S))
     try:
-        job = self.launch_training(plan, samples)
-        try:
-            if nxt is not None and cuda: roll()
-        finally: back, upd = self.join_training(job)   # never leave the thread training under an error
+        with sm_carveout(carve):
+            job = self.launch_training(plan, samples)
+            try:
+                if nxt is not None and cuda: roll()
+            finally: back, upd = self.join_training(job)   # never leave the thread training under an error
     finally: sys.setswitchinterval(switch)
     t2 = time.perf_counter()
     self.sync()                                          # θ_step to the engine, after its rollout finished

@@ -136,6 +136,26 @@ def test_async_training_runs_in_the_training_thread_on_cpu(sharp_ckpt, toy_probl
     assert all(r["time/train"] > 0 for r in rows)
 
 
+def test_sm_carveout_holds_while_training_and_is_restored(sharp_ckpt, toy_problems, tmp_path):
+    """`async_carveout=N` sets the process's cuBLAS SM carveout to N for the training half of each async step (read
+    in the training thread, where the GEMMs are launched) and puts the previous value back after it, also when the
+    training fails. Breaks that made it fail, each once: no `sm_carveout` around the launch (the thread reads None);
+    `sm_carveout` without its `finally` (the failed step leaves 8 set for the rest of the process)."""
+    get = torch._C._get_sm_carveout_experimental
+    before = get()
+    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "carve", async_rollout=True, async_carveout=8, steps=2)
+    seen, upd = [], tr.update
+    tr.update = lambda: (seen.append(get()), upd())[1]
+    tr.step(1); tr.step(2)
+    assert seen == [8, 8] and get() == before
+    bad = make_trainer(sharp_ckpt, toy_problems, tmp_path / "boom", async_rollout=True, async_carveout=8, steps=2)
+
+    def boom(): raise RuntimeError("boom")
+    bad.update = boom
+    with pytest.raises(RuntimeError, match="training of step 1 failed"): bad.step(1)
+    assert get() == before
+
+
 def test_launch_throttle_marks_each_layer_forward_and_backward(tiny_ckpt):
     """`LaunchThrottle` (the async training thread's cap on queued CUDA work) on a real Qwen3, with a recording event
     in place of torch.cuda.Event (CPU has no events): one mark after each decoder layer's forward, one before each
@@ -245,12 +265,15 @@ kw = dict(model=out + "/base", steps=5, batch_size=16, micro_batch_size=4, lr=0.
           max_grad_norm=0.0, max_completion_length=48, log_positions=0, dtype="bfloat16", save_every=100,
           padding="aligned", rollout="vllm", vllm_memory=0.2)
 probs = make_problems(64, seed=0, split="train")
-tr = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/async", async_rollout=True, **kw), probs, progress=False)
+tr = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/async", async_rollout=True, async_carveout=8, **kw), probs,
+                 progress=False)
 lora = lambda t: {k: v.detach().clone() for k, v in get_peft_model_state_dict(t.unwrapped).items()}
-seen, theta, bat, upd = [], [lora(tr)], tr.batches, tr.update
+seen, theta, bat, upd, carve = [], [lora(tr)], tr.batches, tr.update, []
 tr.batches = lambda mine, comps: seen.append([list(c) for c in comps]) or bat(mine, comps)
-tr.update = lambda: (upd(), theta.append(lora(tr)))[0]
+tr.update = lambda: (carve.append(torch._C._get_sm_carveout_experimental()), upd(), theta.append(lora(tr)))[1]
 rows = [tr.step(s) for s in range(1, 6)]
+prio = dict(engine=tr.rollout.stream.priority, main=torch.cuda.current_stream().priority,
+            training=tr._train_stream.priority, carve=carve, after=torch._C._get_sm_carveout_experimental())
 ref = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/ref", **kw), probs, progress=False, rollout=tr.rollout)
 want = []
 for t in range(1, 6):
@@ -259,7 +282,7 @@ for t in range(1, 6):
 set_peft_model_state_dict(ref.unwrapped, theta[2]); ref.sync()
 fresh3 = [list(c) for c in ref.sample(ref.plan(3)).comps]
 print("RESULT " + json.dumps(dict(seen=seen, want=want, fresh3=fresh3, overlap=[r["time/overlap"] for r in rows],
-                                  train=[r["time/train"] for r in rows])))
+                                  train=[r["time/train"] for r in rows], prio=prio)))
 '''
 
 
@@ -284,3 +307,6 @@ def test_async_with_vllm_samples_from_two_updates_back(tmp_path):
         assert a == b, f"step {t}"
     assert got["seen"][2] != got["fresh3"]
     assert sum(got["overlap"][:-1]) > 0, got
+    p = got["prio"]   # lower number = higher priority: vLLM runs on the high-priority stream made before it started
+    assert p["engine"] == p["main"] < p["training"] == 0, p
+    assert p["carve"] == [8] * 5 and p["after"] is None, p   # async_carveout in the training half only
