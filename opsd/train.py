@@ -100,9 +100,11 @@ class OPSDConfig:
     #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
     async_queue: int = 0  # async_rollout on CUDA: cap the training thread's queued work at this many decoder layers
     #                       (`LaunchThrottle`; 0: no cap, the default: the cap gained nothing on the H200)
-    async_priority: bool = True  # async_rollout on CUDA: the training thread's stream at the lowest priority, below
-    #                              the engine's high-priority stream (`engine_stream`); False: equal priorities
+    async_priority: bool = False  # async_rollout on CUDA: the training thread's stream at the lowest priority, below
+    #                               vLLM's high-priority stream (`engine_stream`); False: level with it (the default:
+    #                               no gain on the H200, 5.65 vs 5.61 s a step)
     async_carveout: int = 0  # async_rollout on CUDA: SMs that training's cuBLAS GEMMs leave free while the rollout runs
+    #                          (`sm_carveout`; 32 on the H200: 4.88 vs 4.99 s a step, one run: off by default)
     # prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)
     # logging

@@ -265,8 +265,8 @@ kw = dict(model=out + "/base", steps=5, batch_size=16, micro_batch_size=4, lr=0.
           max_grad_norm=0.0, max_completion_length=48, log_positions=0, dtype="bfloat16", save_every=100,
           padding="aligned", rollout="vllm", vllm_memory=0.2)
 probs = make_problems(64, seed=0, split="train")
-tr = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/async", async_rollout=True, async_carveout=8, **kw), probs,
-                 progress=False)
+tr = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/async", async_rollout=True, async_priority=True, async_carveout=8,
+                                **kw), probs, progress=False)
 lora = lambda t: {k: v.detach().clone() for k, v in get_peft_model_state_dict(t.unwrapped).items()}
 seen, theta, bat, upd, carve = [], [lora(tr)], tr.batches, tr.update, []
 tr.batches = lambda mine, comps: seen.append([list(c) for c in comps]) or bat(mine, comps)
@@ -295,7 +295,10 @@ def test_async_with_vllm_samples_from_two_updates_back(tmp_path):
     rollout time is hidden under training. Passed on the H200 (bench/h200-2026-12-04-async/test_async_vllm.log). The
     design it replaced (the rollout in a background thread) crashed with an illegal memory access at its second
     overlapped step there (bench/h200-2026-12-03-speed/run1-all). Break to try: syncing theta_t before the rollout of
-    step t+1 is joined (step 3 then trains on theta_2's samples)."""
+    step t+1 is joined (step 3 then trains on theta_2's samples). With async_priority and async_carveout on, it also
+    checks that vLLM adopted `engine_stream`'s high-priority stream, that training's stream is below it, and that the
+    carveout held only while training ran. Those three checks were added after the last GPU session ended early:
+    not yet run on a GPU."""
     pytest.importorskip("vllm")
     import sys
     r = subprocess.run([sys.executable, "-c", VLLM_ASYNC_CHILD, str(tmp_path)], capture_output=True, text=True,
@@ -307,6 +310,6 @@ def test_async_with_vllm_samples_from_two_updates_back(tmp_path):
         assert a == b, f"step {t}"
     assert got["seen"][2] != got["fresh3"]
     assert sum(got["overlap"][:-1]) > 0, got
-    p = got["prio"]   # lower number = higher priority: vLLM runs on the high-priority stream made before it started
-    assert p["engine"] == p["main"] < p["training"] == 0, p
+    p = got["prio"]   # lower number = higher priority: vLLM adopted the high-priority stream made before it started
+    assert p["engine"] == p["main"] < p["training"] == 0, p   # async_priority: training's stream at the lowest
     assert p["carve"] == [8] * 5 and p["after"] is None, p   # async_carveout in the training half only

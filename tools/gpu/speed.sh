@@ -48,7 +48,7 @@ rows = [json.loads(l) for l in open('$OUT/e2e_speed.jsonl')]
 print(e2e_table(rows)); print(); print(baseline_drift(rows) or ''); print(); print(floors_table(rows))" > "$OUT/e2e_speed.md" 2>&1 && cat "$OUT/e2e_speed.md"
 }
 
-ASYNC_VARIANTS="released,opsd best + compile,opsd best + kernels + async,opsd best + kernels + async (equal priority)"
+ASYNC_VARIANTS="released,opsd best + liger,opsd best + kernels + async,opsd best + kernels + async (priority)"
 ASYNC_VARIANTS="$ASYNC_VARIANTS,opsd best + kernels + async (carveout 32)"
 case ${1:-} in
 async)
