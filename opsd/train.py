@@ -16,7 +16,7 @@ import torch
 from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, normaliser, CLIP_MODES
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_frame
 from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_problems, check_context, model_context
-from .collate import collate, batch_logits, PAD_MODES
+from .collate import collate, batch_logits, trim_at_eos, PAD_MODES
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
 from .kernels import KERNELS, apply_kernels
@@ -27,8 +27,9 @@ __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUT
            'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'ASYNC_SWITCH_S', 'OPSDConfig',
            'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
            'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
-           'UpdateResult', 'Timings', 'OPSDTrainer', 'config_differences', 'check_run_config', 'check_same_base',
-           'base_fingerprint', 'train', 'PendingRollout', 'TrainingJob', 'LaunchThrottle', 'sm_carveout']
+           'UpdateResult', 'Timings', 'OPSDTrainer', 'length_groups', 'padded_share', 'config_differences',
+           'check_run_config', 'check_same_base', 'base_fingerprint', 'train', 'PendingRollout', 'TrainingJob',
+           'LaunchThrottle', 'sm_carveout']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -61,6 +62,8 @@ class OPSDConfig:
     ema_decay: float = 0.999  # the release's EMA decay
     ema_start: str = "first_update"  # 'first_update' (released: set from the student after the first update), 'init'
     padding: str = "released"  # 'released' (right-padded prompts, gap consumes positions) or 'aligned'
+    length_grouping: bool = False  # micro-batches of completions of similar length (longest first): fewer pad
+    #                                columns, the same loss and update to rounding (needs aligned padding, global norm)
     fused: bool = False  # the chunked loss from hidden states (opsd.fused)
     fused_chunk: int = 1024
     kernels: str = "none"  # the student's decoder layers: 'none', 'liger' (Liger-Kernel's RMSNorm/RoPE/SwiGLU) or
@@ -142,6 +145,10 @@ class OPSDConfig:
         bad = sorted(set(self.prompt) - set(valid))
         if bad: raise ValueError(f"config field prompt: unknown key(s) {bad}; valid keys: {valid}")
         if self.async_rollout: self.vllm_sleep = False   # the engine stays awake: it samples while training runs
+        if self.length_grouping and (self.padding, self.normalize) != ("aligned", "global"):
+            raise ValueError(f"config field length_grouping=True needs padding='aligned' and normalize='global' (got "
+                             f"padding={self.padding!r}, normalize={self.normalize!r}): with the release's padding a "
+                             "row's positions, and with per-micro-batch means the loss, depend on its micro-batch")
 
     @classmethod
     def toy(cls, **kw) -> "OPSDConfig":
@@ -591,13 +598,27 @@ def sample(self: OPSDTrainer, plan: StepPlan) -> Samples:
 
 
 # %% ../nbs/06_train.ipynb #6062e2d4
+def length_groups(lengths: Sequence[int], # one length per row
+                  size: int, # rows per micro-batch
+                 ) -> list[list[int]]: # row indices, micro-batch by micro-batch
+    "Rows in micro-batches of `size`, longest first (ties in their order), so that each pads to similar lengths."
+    order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
+    return [order[j:j + size] for j in range(0, len(order), size)]
+
+def padded_share(batches, who: str = "student") -> float:
+    "The share of the micro-batches' input positions that are padding (the forward and backward compute them all)."
+    masks = [b.inputs(who)["attention_mask"] for b in batches]
+    return 1 - sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
+
 @patch
 def batches(self: OPSDTrainer, mine: list[int], comps: list[list[int]]) -> list:
-    "Micro-batches of collated student/teacher inputs (the padding mode of the config)."
+    "Micro-batches of collated student/teacher inputs (the padding mode of the config; `length_grouping`)."
     cfg, out, mb = self.cfg, [], self.cfg.micro_batch_size
-    for j in range(0, len(mine), mb):
-        rows = mine[j:j + mb]
-        b = collate([self.prompts(i)[0] for i in rows], [self.prompts(i)[1] for i in rows], comps[j:j + mb],
+    groups = (length_groups([len(trim_at_eos(c, self.eos_id)) for c in comps], mb) if cfg.length_grouping
+              else [list(range(j, min(j + mb, len(mine)))) for j in range(0, len(mine), mb)])
+    for g in groups:
+        rows = [mine[k] for k in g]
+        b = collate([self.prompts(i)[0] for i in rows], [self.prompts(i)[1] for i in rows], [comps[k] for k in g],
                     pad_id=self.pad_id, eos_id=self.eos_id, mode=cfg.padding)
         if cfg.mask_pad_completion: b.labels[b.labels == self.pad_id] = -100   # the release masks pad-valued tokens
         out.append(b)
@@ -935,6 +956,9 @@ def sm_carveout(n: int):
     exit; 0 changes nothing). GEMMs replayed from CUDA graphs keep the SM count they were captured with, so vLLM's
     decoding is unaffected while the trainer's eager GEMMs leave those SMs free for it."""
     if not n: yield; return
+    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        raise RuntimeError(f"config field async_carveout={n}: torch {torch.__version__} has no SM carveout for "
+                           "cuBLAS (torch._C._set_sm_carveout_experimental); set async_carveout=0")
     get, put = torch._C._get_sm_carveout_experimental, torch._C._set_sm_carveout_experimental
     old = get(); put(n)
     try: yield

@@ -108,6 +108,39 @@ def test_gradient_accumulation_is_exact(tiny_ckpt, toy_problems, tmp_path):
     assert grads[2][0]["kl/true"] == pytest.approx(grads[8][0]["kl/true"], rel=1e-10)
 
 
+def test_length_grouping_same_step(sharp_ckpt, toy_problems, tmp_path):
+    """`length_grouping=True` (micro-batches of similar completion lengths) gives the step of plan order: the same
+    loss, instruments and updated adapter to float64 rounding, over completions of varied lengths (the engine's are cut
+    to a fixed pattern of lengths, as a real model's would stop at EOS). Break that made it fail: `batches` reordering
+    the prompts but not the completions (each prompt then scored with another row's completion)."""
+    from peft.utils import get_peft_model_state_dict
+    cut = [12, 2, 9, 1, 11, 3, 2, 10]
+    out = {}
+    for grouping in (False, True):
+        cfg = OPSDConfig.toy(model=str(sharp_ckpt), run_dir=str(tmp_path / f"g{grouping}"), steps=1, batch_size=8,
+                             micro_batch_size=4, max_completion_length=12, padding="aligned", log_positions=0,
+                             dtype="float64", length_grouping=grouping)
+        tr = OPSDTrainer(cfg, toy_problems, progress=False)
+        gen = tr.rollout.generate
+
+        def cut_generate(prompts, sampling=None, **kw):
+            ro = gen(prompts, sampling, **kw)
+            ro.completion_ids[:] = [c[:n] for c, n in zip(ro.completion_ids, cut)]
+            return ro
+        tr.rollout.generate = cut_generate
+        seen, bat = [], tr.batches
+        tr.batches = lambda mine, comps: seen.append(bat(mine, comps)) or seen[-1]
+        row = tr.step(1)
+        out[grouping] = (row, get_peft_model_state_dict(tr.unwrapped),
+                         [b.completion_mask.sum(1).tolist() for b in seen[0]])
+    assert out[False][2] == [[12, 2, 9, 1], [11, 3, 2, 10]] and out[True][2] == [[12, 11, 10, 9], [3, 2, 2, 1]]
+    for k in ("loss", "kl/true", "entry/argmax_clipped_frac", "entry/grad_cos", "grad_norm", "tokens"):
+        assert out[True][0][k] == pytest.approx(out[False][0][k], rel=1e-10), k
+    for k, v in out[False][1].items():
+        torch.testing.assert_close(out[True][1][k], v, rtol=1e-9, atol=1e-12)
+    assert out[False][0]["grad_norm"] > 0   # the adapter moved: not a comparison of two untouched states
+
+
 @pytest.mark.parametrize("teacher", ["fixed", "ema", "live"])
 @pytest.mark.parametrize("clip", ["entry", "scaled"])
 def test_teacher_modes_and_clips_run(tiny_ckpt, toy_problems, tmp_path, teacher, clip):
