@@ -320,7 +320,7 @@ E2E_VARIANTS["opsd best + liger"] = dict(E2E_VARIANTS["opsd best"], kernels="lig
 E2E_VARIANTS["opsd best + compile"] = dict(E2E_VARIANTS["opsd best"], kernels="compile")
 # the next step's rollout overlapped with this step's training (one step off-policy; the engine stays awake)
 E2E_VARIANTS["opsd best + async"] = dict(E2E_VARIANTS["opsd best"], async_rollout=True)
-# async with whichever of none/liger/compile trained fastest earlier in the same run
+# async with whichever of none/liger/compile took the fewest seconds a step earlier in the same run
 E2E_VARIANTS["opsd best + kernels + async"] = dict(E2E_VARIANTS["opsd best"], async_rollout=True, kernels="best")
 # levers on how the overlapped halves share the GPU (OPSDConfig fields), each against the default async row: the
 # training thread's queued work capped at 2 or 8 decoder layers (async_queue; measured 2026-12-04), training's stream
