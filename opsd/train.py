@@ -600,9 +600,10 @@ def sample(self: OPSDTrainer, plan: StepPlan) -> Samples:
 # %% ../nbs/06_train.ipynb #6062e2d4
 def length_groups(lengths: Sequence[int], # one length per row
                   size: int, # rows per micro-batch
+                  by_length: bool = True, # False: the rows in their own order
                  ) -> list[list[int]]: # row indices, micro-batch by micro-batch
     "Rows in micro-batches of `size`, longest first (ties in their order), so that each pads to similar lengths."
-    order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
+    order = sorted(range(len(lengths)), key=lambda k: -lengths[k]) if by_length else list(range(len(lengths)))
     return [order[j:j + size] for j in range(0, len(order), size)]
 
 def padded_share(batches, who: str = "student") -> float:
@@ -614,9 +615,7 @@ def padded_share(batches, who: str = "student") -> float:
 def batches(self: OPSDTrainer, mine: list[int], comps: list[list[int]]) -> list:
     "Micro-batches of collated student/teacher inputs (the padding mode of the config; `length_grouping`)."
     cfg, out, mb = self.cfg, [], self.cfg.micro_batch_size
-    groups = (length_groups([len(trim_at_eos(c, self.eos_id)) for c in comps], mb) if cfg.length_grouping
-              else [list(range(j, min(j + mb, len(mine)))) for j in range(0, len(mine), mb)])
-    for g in groups:
+    for g in length_groups([len(trim_at_eos(c, self.eos_id)) for c in comps], mb, by_length=cfg.length_grouping):
         rows = [mine[k] for k in g]
         b = collate([self.prompts(i)[0] for i in rows], [self.prompts(i)[1] for i in rows], [comps[k] for k in g],
                     pad_id=self.pad_id, eos_id=self.eos_id, mode=cfg.padding)
@@ -1024,9 +1023,8 @@ def _step_async(self: OPSDTrainer, step: int) -> dict:
         nxt.seconds = time.perf_counter() - r0
     if nxt is not None and not cuda: roll()   # CPU: in turn, the rollout first
     carve = self.cfg.async_carveout
-    if cuda and carve >= torch.cuda.get_device_properties(dev).multi_processor_count:
-        raise ValueError(f"config field async_carveout={carve}: must be below the GPU's "
-                         f"{torch.cuda.get_device_properties(dev).multi_processor_count} SMs")
+    if cuda and carve and carve >= (sms := torch.cuda.get_device_properties(dev).multi_processor_count):
+        raise ValueError(f"config field async_carveout={carve}: must be below the GPU's {sms} SMs")
     switch = sys.getswitchinterval()
     if cuda: sys.setswitchinterval(min(switch, ASYNC_SWITCH_S))
     try:
