@@ -16,7 +16,7 @@ __all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'E2E_DEFAULT',
            'rss_bytes', 'reset_peak_rss', 'max_rss_bytes', 'naive_loss', 'run_loss_variant', 'reference_grad',
            'loss_bench_cpu', 'loss_bench_cuda', 'format_table', 'loss_table', 'random_qwen3_checkpoint',
            'bench_problems', 'rollout_bench', 'rollout_table', 'e2e_bench', 'baseline_drift', 'e2e_table',
-           'overlap_table', 'floors_table', 'model_costs', 'phase_floors', 'device_rates', 'main']
+           'overlap_table', 'e2e_report', 'floors_table', 'model_costs', 'phase_floors', 'device_rates', 'main']
 
 # %% ../nbs/12_bench.ipynb #f44ed421
 def sync(device) -> None:
@@ -480,6 +480,10 @@ def overlap_table(rows: list[dict]) -> str:
                               ("saved_s", "saved s", ".2f"), ("shorter_s", "shorter half s", ".2f"),
                               ("hidden", "% of it hidden", ".0f")])
 
+def e2e_report(rows: list[dict]) -> str:
+    "What `python -m opsd.bench e2e` prints: the table, the baseline's drift, the overlap's share and the floors."
+    return "\n\n".join([e2e_table(rows), baseline_drift(rows) or "", overlap_table(rows), floors_table(rows)])
+
 def floors_table(rows: list[dict]) -> str:
     "The floors each row was compared with (seconds per step) and the device rates they assume."
     return format_table(rows, [("variant", "variant", ""), ("rollout_floor_s", "rollout floor s", ".2f"),
@@ -598,7 +602,7 @@ def main(argv=None):
         rows = e2e_bench(_bench_model(a), {n: E2E_VARIANTS[n] for n in names}, steps=a.steps, warmup=a.warmup,
                          rollout=a.rollout, vllm_memory=a.vllm_memory or 0.3, jsonl=a.jsonl,
                          bracket=not a.no_bracket)
-        table = "\n\n".join([e2e_table(rows), baseline_drift(rows) or "", overlap_table(rows), floors_table(rows)])
+        table = e2e_report(rows)
     else:
         if not cuda: raise SystemExit("rollout needs a CUDA device (Qwen3-1.7B's shape)")
         rows = rollout_bench(_bench_model(a), a.rollout, batches=tuple(int(b) for b in a.batches.split(",")),

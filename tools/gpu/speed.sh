@@ -43,10 +43,8 @@ e2e() {
   echo "rc=$? wall $(( $(date +%s) - t0 )) s"
   grep -E '^\{"variant|^\||Traceback|Error' "$OUT/e2e_speed.log" | grep -v '"step": [2-9]' | tail -40
   [ -f "$OUT/e2e_speed.jsonl" ] && python3 -c "
-import json; from opsd.bench import e2e_table, floors_table, baseline_drift, overlap_table
-rows = [json.loads(l) for l in open('$OUT/e2e_speed.jsonl')]
-print(e2e_table(rows)); print(); print(baseline_drift(rows) or ''); print(); print(overlap_table(rows)); print()
-print(floors_table(rows))" > "$OUT/e2e_speed.md" 2>&1 && cat "$OUT/e2e_speed.md"
+import json; from opsd.bench import e2e_report
+print(e2e_report([json.loads(l) for l in open('$OUT/e2e_speed.jsonl')]))" > "$OUT/e2e_speed.md" 2>&1 && cat "$OUT/e2e_speed.md"
 }
 
 ASYNC_VARIANTS="released,opsd best + liger,opsd best + kernels + async,opsd best + kernels + async (priority)"
