@@ -318,6 +318,9 @@ E2E_VARIANTS["opsd best (torch loss)"] = dict(E2E_VARIANTS["opsd best"], fused_k
 # the elementwise work of the decoder fused (opsd.kernels, through the config field `kernels`: the trainer applies it)
 E2E_VARIANTS["opsd best + liger"] = dict(E2E_VARIANTS["opsd best"], kernels="liger")
 E2E_VARIANTS["opsd best + compile"] = dict(E2E_VARIANTS["opsd best"], kernels="compile")
+# micro-batches without pad columns, attention varlen inside each row (opsd.packing; flash varlen on CUDA)
+E2E_VARIANTS["opsd best + packed"] = dict(E2E_VARIANTS["opsd best"], packed=True)
+E2E_VARIANTS["opsd best + liger + packed"] = dict(E2E_VARIANTS["opsd best + liger"], packed=True)
 # the next step's rollout overlapped with this step's training (one step off-policy; the engine stays awake)
 E2E_VARIANTS["opsd best + async"] = dict(E2E_VARIANTS["opsd best"], async_rollout=True)
 # async with whichever of none/liger/compile took the fewest seconds a step earlier in the same run
@@ -328,6 +331,7 @@ E2E_VARIANTS["opsd best + kernels + async"] = dict(E2E_VARIANTS["opsd best"], as
 for lever, over in [("cap 2", dict(async_queue=2)), ("cap 8", dict(async_queue=8)),
                     ("priority", dict(async_priority=True)), ("carveout 32", dict(async_carveout=32))]:
     E2E_VARIANTS[f"opsd best + kernels + async ({lever})"] = dict(E2E_VARIANTS["opsd best + kernels + async"], **over)
+E2E_VARIANTS["opsd best + kernels + async + packed"] = dict(E2E_VARIANTS["opsd best + kernels + async"], packed=True)
 # compile's warm-up (Inductor) is the longest: it runs late, so a time-boxed run keeps the others
 E2E_DEFAULT = ["released", "opsd best", "opsd best + liger", "opsd best + async", "opsd best + compile",
                "opsd best + kernels + async"]
@@ -337,7 +341,8 @@ def _best_kernels(rows: list[dict]) -> tuple[str, str]:
     A step, not the training phase: on the H200 compiled layers trained fastest (1.79 s) but the same process's
     rollouts then ran slower (4.25 s against 3.36 s for released, twice), and their async row lost to Liger's."""
     cand = [r for r in rows if r["variant"].startswith("opsd best") and not r.get("async_rollout")
-            and not r.get("error") and r.get("s_per_step") is not None and r.get("fused_kernel") is None]
+            and not r.get("error") and r.get("s_per_step") is not None and r.get("fused_kernel") is None
+            and not r.get("packed")]   # kernels compared on the same layout; packing is a variant of its own
     if not cand: return "none", "no synchronous opsd best row measured: none"
     best = min(cand, key=lambda r: r["s_per_step"])
     return best.get("kernels", "none"), ", ".join(f"{r.get('kernels', 'none')} {r['s_per_step']:.2f} s/step"

@@ -20,6 +20,7 @@ from .collate import collate, batch_logits, trim_at_eos, PAD_MODES
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
 from .kernels import KERNELS, apply_kernels
+from .packing import pack, packed_logits, use_packed_attention
 from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
 
 # %% auto #0
@@ -64,6 +65,8 @@ class OPSDConfig:
     padding: str = "released"  # 'released' (right-padded prompts, gap consumes positions) or 'aligned'
     length_grouping: bool = False  # micro-batches of completions of similar length (longest first): fewer pad
     #                                columns, the same loss and update to rounding (needs aligned padding, global norm)
+    packed: bool = False  # each micro-batch's rows end to end without pad columns, attention varlen inside each row
+    #                       (opsd.packing): the same loss and update to rounding (needs aligned padding)
     fused: bool = False  # the chunked loss from hidden states (opsd.fused)
     fused_chunk: int = 1024
     kernels: str = "none"  # the student's decoder layers: 'none', 'liger' (Liger-Kernel's RMSNorm/RoPE/SwiGLU) or
@@ -145,6 +148,9 @@ class OPSDConfig:
         bad = sorted(set(self.prompt) - set(valid))
         if bad: raise ValueError(f"config field prompt: unknown key(s) {bad}; valid keys: {valid}")
         if self.async_rollout: self.vllm_sleep = False   # the engine stays awake: it samples while training runs
+        if self.packed and self.padding != "aligned":
+            raise ValueError(f"config field packed=True needs padding='aligned' (got padding={self.padding!r}): the "
+                             "released layout predicts the first completion token at a pad column, which packing drops")
         if self.length_grouping and (self.padding, self.normalize) != ("aligned", "global"):
             raise ValueError(f"config field length_grouping=True needs padding='aligned' and normalize='global' (got "
                              f"padding={self.padding!r}, normalize={self.normalize!r}): with the release's padding a "
@@ -459,14 +465,18 @@ def _scheduler(optimizer, cfg: OPSDConfig):
 def _sync(device):
     if torch.device(device).type == "cuda": torch.cuda.synchronize(device)
 
-def _final_hidden(model, inputs: dict, L: int):
-    "Final (normed) hidden states (B, L, H) of the completion positions, through `model` (prepared or not)."
+def _final_hidden(model, b, who: str, packed: bool = False):
+    "Final (normed) hidden states (B, L, H) of one side's completion positions, through `model` (prepared or not)."
     dec, _ = decoder_of(model.module if hasattr(model, "module") and not hasattr(model, "get_base_model") else model)
-    got = {}
+    p, got = pack(b, who) if packed else None, {}
     hook = dec.norm.register_forward_hook(lambda m, i, o: got.__setitem__("h", o))
-    try: model(**inputs, logits_to_keep=1, use_cache=False)          # one row of logits; the rest is the hidden state
+    try: model(**(p.inputs() if p else b.inputs(who)), logits_to_keep=1, use_cache=False)   # the rest: hidden states
     finally: hook.remove()
-    return got["h"][:, -L - 1:-1]
+    return p.spread(got["h"][0, p.source]) if p else got["h"][:, -b.completion_len - 1:-1]
+
+def _completion_logits(model, b, who: str, packed: bool = False):
+    "(B, L, V) logits of one side's completion positions, from the padded batch or its packed rows (`opsd.packing`)."
+    return packed_logits(model, pack(b, who)) if packed else batch_logits(model, b, who)
 
 class OPSDTrainer:
     "Runs OPSD for a config on a list of problem records; writes the run folder."
@@ -517,6 +527,7 @@ class OPSDTrainer:
         if rollout is not None: self.sync()   # a shared engine may hold another run's student: load ours first
         # after the rollout is made: HFRollout copies the model, and a compiled copy would recompile under generate
         apply_kernels(self.unwrapped, cfg.kernels)
+        if cfg.packed: use_packed_attention(self.unwrapped)   # padded calls (generation, evaluation) are unchanged
         self.step_done, self.resumed_from = 0, None
         self._pending, self._train_stream = None, None   # async_rollout: the next step's rollout; training's stream
 
@@ -630,9 +641,9 @@ def _fused_loss(self: OPSDTrainer, b, num_items):
     "The chunked loss from hidden states (no full logits): `opsd.fused` with the configured per-chunk function."
     from opsd.fused import fused_divergence
     from opsd.fused_triton import chunk_fn_for
-    cfg, L = self.cfg, b.completion_len
-    hs = _final_hidden(self.model, b.inputs("student"), L)                                   # (B, L, H)
-    ht = self.teacher(lambda: _final_hidden(self.unwrapped, b.inputs("teacher"), L))         # (B, L, H)
+    cfg = self.cfg
+    hs = _final_hidden(self.model, b, "student", cfg.packed)                                 # (B, L, H)
+    ht = self.teacher(lambda: _final_hidden(self.unwrapped, b, "teacher", cfg.packed))       # (B, L, H)
     w = decoder_of(self.unwrapped)[1].get_output_embeddings().weight                         # (V, H)
     fn = chunk_fn_for(cfg.fused_kernel, hs.device, beta=cfg.beta, clip=cfg.clip, top_k=cfg.top_k, vocab=w.shape[0])
     return fused_divergence(hs, ht, w, b.labels, beta=cfg.beta, temperature=cfg.temperature, clip=cfg.clip,
@@ -645,8 +656,8 @@ def forward_loss(self: OPSDTrainer, b, num_items=None):
     cfg = self.cfg
     with bf16_adapter_compute(self.unwrapped, cfg.bf16_adapters and self.acc.device.type == "cuda"):
         if cfg.fused and cfg.objective == "divergence": return self._fused_loss(b, num_items)
-        s_logits = batch_logits(self.model, b, "student")                                    # (B, L, V)
-        t_logits = self.teacher(lambda: batch_logits(self.unwrapped, b, "teacher"))          # (B, L, V)
+        s_logits = _completion_logits(self.model, b, "student", cfg.packed)                  # (B, L, V)
+        t_logits = self.teacher(lambda: _completion_logits(self.unwrapped, b, "teacher", cfg.packed))
     kw = dict(beta=cfg.beta, temperature=cfg.temperature, clip=cfg.clip, tau=cfg.tau, top_k=cfg.top_k)
     if cfg.objective == "divergence":
         return loss_and_diagnostics(s_logits, t_logits, b.labels, num_items=num_items, **kw)

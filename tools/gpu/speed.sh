@@ -7,6 +7,7 @@
 #   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4)
 #   stall   pytest tests/test_gpu_stall.py (needs the smollm2 set too; about 2-3 minutes)
 #   async   e2e with ASYNC_VARIANTS (time box LIMIT - 100 s), then the CUDA tests of tests/test_async.py (HF, vLLM)
+#   packed  e2e with PACKED_VARIANTS (time box LIMIT - 60 s), then the CUDA tests of tests/test_packing.py (flash varlen)
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
 # $OUT/e2e_speed.jsonl as each variant finishes, so a run cut by the time limit keeps the variants it finished.
@@ -49,7 +50,16 @@ print(e2e_report([json.loads(l) for l in open('$OUT/e2e_speed.jsonl')]))" > "$OU
 
 ASYNC_VARIANTS="released,opsd best + liger,opsd best + kernels + async,opsd best + kernels + async (priority)"
 ASYNC_VARIANTS="$ASYNC_VARIANTS,opsd best + kernels + async (carveout 32)"
+PACKED_VARIANTS="released,opsd best + liger,opsd best + liger + packed,opsd best + kernels + async"
+PACKED_VARIANTS="$PACKED_VARIANTS,opsd best + kernels + async + packed"
 case ${1:-} in
+packed)
+  liger; VARIANTS=${VARIANTS:-$PACKED_VARIANTS} RESERVE=60 e2e
+  t0=$(date +%s)
+  timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q -rs tests/test_packing.py -k "cuda" \
+    -p no:cacheprovider 2>&1 | tee "$OUT/test_packing_cuda.log" | tail -4
+  echo "test_packing (CUDA) wall $(( $(date +%s) - t0 )) s"
+  ;;
 async)
   liger; VARIANTS=${VARIANTS:-$ASYNC_VARIANTS} RESERVE=100 e2e
   t0=$(date +%s)
@@ -77,5 +87,5 @@ stall)
     | grep -E "rollout seconds|per step|passed|failed|Error|assert" | tail -8
   echo "stall test wall $(( $(date +%s) - t0 )) s"
   ;;
-*) sed -n 2,10p "$0"; exit 2 ;;
+*) sed -n 2,11p "$0"; exit 2 ;;
 esac

@@ -1,0 +1,118 @@
+"""opsd.packing (nbs/05f_packing) and the trainer's `packed=True`: the aligned layout without its pad columns gives the
+padded step's numbers; on CUDA, torch's flash varlen kernel against the per-row reference, forward and backward."""
+import pytest
+import torch
+
+from opsd.collate import collate, batch_logits
+from opsd.packing import pack, packed_logits, use_packed_attention, varlen_reference, flash_varlen
+from opsd.train import OPSDConfig, OPSDTrainer
+
+CUDA = torch.cuda.is_available()
+
+
+def _cut_rollout(tr, cut):
+    "The trainer's engine with its completions cut to fixed lengths, as a real model's stop at EOS anywhere."
+    gen = tr.rollout.generate
+
+    def cut_generate(prompts, sampling=None, **kw):
+        ro = gen(prompts, sampling, **kw)
+        ro.completion_ids[:] = [c[:n] for c, n in zip(ro.completion_ids, cut)]
+        return ro
+    tr.rollout.generate = cut_generate
+
+
+@pytest.mark.parametrize("over", [dict(), dict(fused=True), dict(objective="sampled_token"),
+                                  dict(teacher="ema", length_grouping=True)],
+                         ids=["logits", "fused", "sampled_token", "ema+grouping"])
+def test_packed_step_is_the_padded_step(sharp_ckpt, toy_problems, tmp_path, over):
+    """One optimizer step with `packed=True` equals the padded aligned step to float64 rounding: loss, instruments,
+    grad norm and the updated adapter, with completions of varied lengths (pads inside every micro-batch), for the
+    full-logits loss, the fused loss, the sampled-token objective, and the EMA teacher with length grouping. Breaks
+    that made it fail: the completion logits read one position late: loss 0.5991 vs 0.6413; the rows attending
+    across each other (one causal pass over the whole packed sequence): loss 0.6097 vs 0.6413."""
+    from peft.utils import get_peft_model_state_dict
+    cut = [12, 2, 9, 1, 11, 3, 2, 10]
+    out = {}
+    for packed in (False, True):
+        cfg = OPSDConfig.toy(model=str(sharp_ckpt), run_dir=str(tmp_path / f"p{packed}"), steps=1, batch_size=8,
+                             micro_batch_size=4, max_completion_length=12, padding="aligned", log_positions=0,
+                             dtype="float64", packed=packed, **over)
+        tr = OPSDTrainer(cfg, toy_problems, progress=False)
+        _cut_rollout(tr, cut)
+        out[packed] = (tr.step(1), get_peft_model_state_dict(tr.unwrapped))
+        name = tr.unwrapped.get_base_model().config._attn_implementation
+        assert name == ("opsd_packed_sdpa" if packed else "sdpa")
+    for k in ("loss", "kl/true", "entry/argmax_clipped_frac", "entry/grad_cos", "grad_norm", "tokens"):
+        if k in out[False][0]: assert out[True][0][k] == pytest.approx(out[False][0][k], rel=1e-10), k
+    for k, v in out[False][1].items():
+        torch.testing.assert_close(out[True][1][k], v, rtol=1e-9, atol=1e-12)
+    assert out[False][0]["grad_norm"] > 0 and out[False][0]["tokens"] == sum(cut)
+
+
+def test_packed_config_and_inputs_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="packed=True needs padding='aligned'"):
+        OPSDConfig.toy(run_dir=str(tmp_path), packed=True, padding="released")
+    b = collate([[5, 6], [7]], [[5], [7, 8]], [[1, 2], [3]], pad_id=0, mode="released")
+    with pytest.raises(ValueError, match="released layout"):
+        pack(b)
+    b = collate([[5, 6], [7]], [[5], [7, 8]], [[1, 2], [3]], pad_id=0, mode="aligned")
+    b.student_position_ids[1, -2] = 5      # not one run numbered from 0
+    with pytest.raises(ValueError, match="student rows are not aligned"):
+        pack(b, "student")
+
+
+def test_padded_calls_and_generation_unchanged(tiny_ckpt):
+    """After `use_packed_attention` the model's padded calls and HF generation go through its own sdpa: the same
+    logits and the same greedy tokens as before the switch."""
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float64).eval()
+    b = collate([[5, 6, 7], [8]], [[5, 6, 7, 9], [8, 9]], [[10, 11, 12], [13]], pad_id=0, mode="aligned")
+    ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9]])
+    gen = dict(attention_mask=(ids > 0).long(), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        before = (batch_logits(m, b, "student"), m.generate(ids, **gen))
+        use_packed_attention(m)
+        after = (batch_logits(m, b, "student"), m.generate(ids, **gen))
+        packed = packed_logits(m, pack(b, "student"))
+    torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)
+    assert torch.equal(after[1], before[1])
+    mask = b.labels != -100
+    torch.testing.assert_close(packed[mask], before[0][mask], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not CUDA, reason="torch's flash varlen kernel needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_varlen_matches_reference_on_cuda(dtype):
+    """torch's flash varlen kernel (as `flash_varlen` calls it: causal, the model's scale, grouped-query heads) against
+    the per-row sdpa reference in float32 on the same inputs, outputs and all three gradients."""
+    torch.manual_seed(0)
+    lens, H, Hkv, D = [300, 17, 1, 512, 64], 16, 8, 128
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), h, D, device="cuda", dtype=dtype, requires_grad=True) for h in (H, Hkv, Hkv))
+    g = torch.randn(sum(lens), H, D, device="cuda", dtype=dtype)
+    got = flash_varlen(q, k, v, cu, max(lens), scale=D ** -0.5 * 0.9)
+    dq, dk, dv = torch.autograd.grad(got, (q, k, v), g)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = varlen_reference(q32, k32, v32, cu, scale=D ** -0.5 * 0.9)
+    rq, rk, rv = torch.autograd.grad(ref, (q32, k32, v32), g.float())
+    for a, r in ((got, ref), (dq, rq), (dk, rk), (dv, rv)):
+        err = (a.float() - r).abs().max() / r.abs().max()
+        assert err < 2e-2, err
+
+
+@pytest.mark.skipif(not CUDA, reason="the packed step on the flash kernel needs CUDA")
+def test_packed_step_on_cuda_is_close(sharp_ckpt, toy_problems, tmp_path):
+    """The trainer's packed step on CUDA in bfloat16 (flash varlen) against its padded step (sdpa): loss and true KL
+    within bf16 noise, the same token count."""
+    cut = [12, 2, 9, 1, 11, 3, 2, 10]
+    rows = {}
+    for packed in (False, True):
+        cfg = OPSDConfig.toy(model=str(sharp_ckpt), run_dir=str(tmp_path / f"p{packed}"), steps=1, batch_size=8,
+                             micro_batch_size=4, max_completion_length=12, padding="aligned", log_positions=0,
+                             dtype="bfloat16", packed=packed, rollout="hf")
+        tr = OPSDTrainer(cfg, toy_problems, progress=False)
+        _cut_rollout(tr, cut)
+        rows[packed] = tr.step(1)
+    assert rows[True]["tokens"] == rows[False]["tokens"] == sum(cut)
+    for k in ("loss", "kl/true"):
+        assert rows[True][k] == pytest.approx(rows[False][k], rel=3e-2), k
