@@ -4,7 +4,8 @@
 
 # %% ../nbs/12_bench.ipynb #1178c084
 from __future__ import annotations
-import argparse, json, os, resource, statistics, subprocess, sys, time
+import argparse, itertools, json, os, random, resource, statistics, subprocess, sys, time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 import torch
 from .loss import opsd_loss
@@ -15,8 +16,9 @@ from .fused import fused_divergence, bf16_case, grad_error
 __all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'E2E_DEFAULT', 'sync', 'time_fn', 'cuda_peak_extra',
            'rss_bytes', 'reset_peak_rss', 'max_rss_bytes', 'naive_loss', 'run_loss_variant', 'reference_grad',
            'loss_bench_cpu', 'loss_bench_cuda', 'format_table', 'loss_table', 'random_qwen3_checkpoint',
-           'bench_problems', 'rollout_bench', 'rollout_table', 'e2e_bench', 'baseline_drift', 'e2e_table',
-           'overlap_table', 'e2e_report', 'floors_table', 'model_costs', 'phase_floors', 'device_rates', 'main']
+           'bench_problems', 'rollout_bench', 'rollout_table', 'cut_completions', 'spread_lengths', 'e2e_bench',
+           'baseline_drift', 'e2e_table', 'overlap_table', 'e2e_report', 'floors_table', 'model_costs', 'phase_floors',
+           'device_rates', 'main']
 
 # %% ../nbs/12_bench.ipynb #f44ed421
 def sync(device) -> None:
@@ -304,6 +306,34 @@ def rollout_table(rows: list[dict]) -> str:
                                ("first_call_s", "first call s", ".1f"), ("engine_start_s", "engine start s", ".1f"),
                                ("error", "error", "")])
 
+# %% ../nbs/12_bench.ipynb #c7a1e0d2
+@contextmanager
+def cut_completions(rollout, # an engine whose `generate` returns `opsd.rollout.Rollout`s
+                    lengths, # (call number from 0, generated lengths) -> the lengths to keep
+                   ):
+    "Within the block, every completion `rollout.generate` returns is cut to `lengths(...)` (ids, mask, logprobs)."
+    had, gen, calls = "generate" in vars(rollout), rollout.generate, itertools.count()
+    def generate(prompts, sampling=None, **kw):
+        ro = gen(prompts, sampling, **kw)
+        keep = lengths(next(calls), [len(c) for c in ro.completion_ids])
+        for f in ("completion_ids", "completion_mask", "logprobs"):
+            if getattr(ro, f) is not None: getattr(ro, f)[:] = [x[:n] for x, n in zip(getattr(ro, f), keep)]
+        return ro
+    rollout.generate = generate
+    try: yield rollout
+    finally:
+        if had: rollout.generate = gen
+        else: del rollout.generate
+
+def spread_lengths(low: float = 0.125, # the smallest share of a completion kept
+                   seed: int = 0):
+    "`cut_completions` lengths: each completion keeps a share drawn uniformly from [low, 1], seeded by the call number."
+    if not 0 < low <= 1: raise ValueError(f"cut={low!r}: the smallest share kept must be in (0, 1]")
+    def lengths(call, lens):
+        rng = random.Random(seed * 1_000_003 + call)
+        return [max(1, round(n * rng.uniform(low, 1))) for n in lens]
+    return lengths
+
 # %% ../nbs/12_bench.ipynb #3c29a0e8
 E2E_COMMON = dict(clip="entry", tau=0.05, batch_size=32, max_completion_length=1024, steps=10_000,
                   save_every=10_000_000, log_positions=0, teacher="fixed", lora_r=64, lora_alpha=128, dtype="bfloat16")
@@ -364,6 +394,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
               rates: dict | None = None, # gemm_tflops / mem_gbps for the floors (default: measured here, once)
               jsonl=None, # append each variant's row to this file as soon as it is done
               bracket: bool = True, # measure the first variant again at the end (`baseline_drift`)
+              cut: float | None = None, # cut completions to spread lengths (`spread_lengths(cut)`); None: as generated
              ) -> list[dict]:
     "Median seconds per `OPSDTrainer.step` (rollout/train/sync/overlap), tok/s, peak memory, floors, per variant."
     import gc, tempfile, traceback
@@ -380,7 +411,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
         slug = name.replace(" ", "-").replace("+", "p").replace("(", "").replace(")", "")
         over = dict(over); kernels = over.pop("kernels", "none"); choice = None
         if kernels == "best": kernels, choice = _best_kernels(rows)
-        row = dict(variant=name, **over, kernels=kernels, kernels_choice=choice, steps=steps, warmup=warmup)
+        row = dict(variant=name, **over, kernels=kernels, kernels_choice=choice, steps=steps, warmup=warmup, cut=cut)
         if again_of: row["again_of"] = again_of
         tr = None
         try:
@@ -393,18 +424,19 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
             row["setup_s"] = time.perf_counter() - t0
             costs = costs or model_costs(tr.unwrapped.config, cfg.dtype)
             per = []
-            for s in range(1, warmup + steps + 1):
-                if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-                t = time.perf_counter(); m = tr.step(s)
-                if cuda: torch.cuda.synchronize()
-                wall = time.perf_counter() - t
-                peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-                if s > warmup:
-                    fl = phase_floors(costs, rates, **_step_shapes(tr, s), completion_len=m["completion_len"])
-                    per.append(dict(m, wall=wall, peak_gib=peak, **fl))
-                shown = {k: m.get(k) for k in ("time/rollout", "time/rollout_wait", "time/overlap", "time/train",
-                                               "time/sync", "tokens", "loss") if k in m}
-                print(json.dumps(dict(variant=name, step=s, wall=round(wall, 3), **shown)), flush=True)
+            with cut_completions(tr.rollout, spread_lengths(cut)) if cut else nullcontext():   # `cut`: spread lengths
+                for s in range(1, warmup + steps + 1):
+                    if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+                    t = time.perf_counter(); m = tr.step(s)
+                    if cuda: torch.cuda.synchronize()
+                    wall = time.perf_counter() - t
+                    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+                    if s > warmup:
+                        fl = phase_floors(costs, rates, **_step_shapes(tr, s), completion_len=m["completion_len"])
+                        per.append(dict(m, wall=wall, peak_gib=peak, **fl))
+                    shown = {k: m.get(k) for k in ("time/rollout", "time/rollout_wait", "time/overlap", "time/train",
+                                                   "time/sync", "tokens", "loss") if k in m}
+                    print(json.dumps(dict(variant=name, step=s, wall=round(wall, 3), **shown)), flush=True)
             med = lambda k: (statistics.median(float(r[k]) for r in per)
                              if per and all(r.get(k) is not None for r in per) else None)
             peaks = [r["peak_gib"] for r in per if r["peak_gib"] is not None]
@@ -487,7 +519,11 @@ def overlap_table(rows: list[dict]) -> str:
 
 def e2e_report(rows: list[dict]) -> str:
     "What `python -m opsd.bench e2e` prints: the table, the baseline's drift, the overlap's share and the floors."
-    return "\n\n".join([e2e_table(rows), baseline_drift(rows) or "", overlap_table(rows), floors_table(rows)])
+    cuts = sorted({r["cut"] for r in rows if r.get("cut")})
+    cut = (f"completions cut to a share drawn from [{', '.join(map(str, cuts))}, 1] of their length (--cut): the "
+           "engine generated the full length, so the rollout column is not a real model's; read the training phase"
+           if cuts else "")
+    return "\n\n".join([e2e_table(rows), cut, baseline_drift(rows) or "", overlap_table(rows), floors_table(rows)])
 
 def floors_table(rows: list[dict]) -> str:
     "The floors each row was compared with (seconds per step) and the device rates they assume."
@@ -579,6 +615,9 @@ def main(argv=None):
     p.add_argument("--no-bracket", action="store_true",
                    help="e2e: do not measure the first variant again at the end of the run")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--cut", type=float, default=None,
+                   help="e2e: cut each completion to a share drawn from [CUT, 1] of its length (spread lengths, as a "
+                        "real model's that stop at EOS; read the training phase)")
     p.add_argument("--rollout", "--backend", dest="rollout", default="auto", choices=["auto", "hf", "vllm"])
     p.add_argument("--vllm-memory", type=float, default=None)
     p.add_argument("--batches", default="32,128", help="rollout: batch sizes")
@@ -606,7 +645,7 @@ def main(argv=None):
         if unknown: raise SystemExit(f"unknown e2e variants {sorted(unknown)}; known: {list(E2E_VARIANTS)}")
         rows = e2e_bench(_bench_model(a), {n: E2E_VARIANTS[n] for n in names}, steps=a.steps, warmup=a.warmup,
                          rollout=a.rollout, vllm_memory=a.vllm_memory or 0.3, jsonl=a.jsonl,
-                         bracket=not a.no_bracket)
+                         bracket=not a.no_bracket, cut=a.cut)
         table = e2e_report(rows)
     else:
         if not cuda: raise SystemExit("rollout needs a CUDA device (Qwen3-1.7B's shape)")

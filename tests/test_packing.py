@@ -6,19 +6,15 @@ import torch
 from opsd.collate import collate, batch_logits
 from opsd.packing import pack, packed_logits, use_packed_attention, varlen_reference, flash_varlen
 from opsd.train import OPSDConfig, OPSDTrainer
+from opsd.bench import cut_completions
 
 CUDA = torch.cuda.is_available()
 
 
-def _cut_rollout(tr, cut):
-    "The trainer's engine with its completions cut to fixed lengths, as a real model's stop at EOS anywhere."
-    gen = tr.rollout.generate
-
-    def cut_generate(prompts, sampling=None, **kw):
-        ro = gen(prompts, sampling, **kw)
-        ro.completion_ids[:] = [c[:n] for c, n in zip(ro.completion_ids, cut)]
-        return ro
-    tr.rollout.generate = cut_generate
+def _step_cut(tr, cut):
+    "Step 1 with the engine's completions cut to fixed lengths, as a real model's stop at EOS anywhere."
+    with cut_completions(tr.rollout, lambda call, lens: cut):
+        return tr.step(1)
 
 
 @pytest.mark.parametrize("over", [dict(), dict(fused=True), dict(objective="sampled_token"),
@@ -38,8 +34,7 @@ def test_packed_step_is_the_padded_step(sharp_ckpt, toy_problems, tmp_path, over
                              micro_batch_size=4, max_completion_length=12, padding="aligned", log_positions=0,
                              dtype="float64", packed=packed, **over)
         tr = OPSDTrainer(cfg, toy_problems, progress=False)
-        _cut_rollout(tr, cut)
-        out[packed] = (tr.step(1), get_peft_model_state_dict(tr.unwrapped))
+        out[packed] = (_step_cut(tr, cut), get_peft_model_state_dict(tr.unwrapped))
         name = tr.unwrapped.get_base_model().config._attn_implementation
         assert name == ("opsd_packed_sdpa" if packed else "sdpa")
     for k in ("loss", "kl/true", "entry/argmax_clipped_frac", "entry/grad_cos", "grad_norm", "tokens"):
@@ -110,9 +105,7 @@ def test_packed_step_on_cuda_is_close(sharp_ckpt, toy_problems, tmp_path):
         cfg = OPSDConfig.toy(model=str(sharp_ckpt), run_dir=str(tmp_path / f"p{packed}"), steps=1, batch_size=8,
                              micro_batch_size=4, max_completion_length=12, padding="aligned", log_positions=0,
                              dtype="bfloat16", packed=packed, rollout="hf")
-        tr = OPSDTrainer(cfg, toy_problems, progress=False)
-        _cut_rollout(tr, cut)
-        rows[packed] = tr.step(1)
+        rows[packed] = _step_cut(OPSDTrainer(cfg, toy_problems, progress=False), cut)
     assert rows[True]["tokens"] == rows[False]["tokens"] == sum(cut)
     for k in ("loss", "kl/true"):
         assert rows[True][k] == pytest.approx(rows[False][k], rel=3e-2), k

@@ -7,6 +7,7 @@ import torch
 
 from opsd.train import OPSDConfig, OPSDTrainer
 from opsd.runs import read_metrics, latest_checkpoint
+from opsd.bench import cut_completions
 
 from conftest import venv_bin
 
@@ -121,16 +122,10 @@ def test_length_grouping_same_step(sharp_ckpt, toy_problems, tmp_path):
                              micro_batch_size=4, max_completion_length=12, padding="aligned", log_positions=0,
                              dtype="float64", length_grouping=grouping)
         tr = OPSDTrainer(cfg, toy_problems, progress=False)
-        gen = tr.rollout.generate
-
-        def cut_generate(prompts, sampling=None, **kw):
-            ro = gen(prompts, sampling, **kw)
-            ro.completion_ids[:] = [c[:n] for c, n in zip(ro.completion_ids, cut)]
-            return ro
-        tr.rollout.generate = cut_generate
         seen, bat = [], tr.batches
         tr.batches = lambda mine, comps: seen.append(bat(mine, comps)) or seen[-1]
-        row = tr.step(1)
+        with cut_completions(tr.rollout, lambda call, lens: cut):   # as a real model's stop at EOS anywhere
+            row = tr.step(1)
         out[grouping] = (row, get_peft_model_state_dict(tr.unwrapped),
                          [b.completion_mask.sum(1).tolist() for b in seen[0]])
     assert out[False][2] == [[12, 2, 9, 1], [11, 3, 2, 10]] and out[True][2] == [[12, 11, 10, 9], [3, 2, 2, 1]]

@@ -4,7 +4,7 @@
 #   all     (one device call, <= 9 minutes) install Liger-Kernel, `python -m opsd.bench e2e --steps 4 --warmup 1` with
 #           E2E_DEFAULT's six variants (time box: LIMIT - 130 s from the start), then the GPU checks of tests/test_kernels.py
 #   tests   only the GPU checks of tests/test_kernels.py
-#   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4)
+#   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4, CUT=0.125 for completions of spread lengths)
 #   stall   pytest tests/test_gpu_stall.py (needs the smollm2 set too; about 2-3 minutes)
 #   async   e2e with ASYNC_VARIANTS (time box LIMIT - 100 s), then the CUDA tests of tests/test_async.py (HF, vLLM)
 #   packed  e2e with PACKED_VARIANTS (time box LIMIT - 60 s), then the CUDA tests of tests/test_packing.py (flash varlen)
@@ -37,6 +37,7 @@ e2e() {
   [ -f $MODEL/config.json ] || python3 -c "from opsd.bench import random_qwen3_checkpoint as r; print(r('$MODEL'))" 2>&1 | grep -v Warn | tail -1
   left=$(( ${LIMIT:-530} - ${RESERVE:-0} - ($(date +%s) - T_START) ))
   cmd="python3 -m opsd.bench e2e --model $MODEL --steps ${STEPS:-4} --warmup 1 --jsonl $OUT/e2e_speed.jsonl --out $OUT/e2e_speed.json"
+  cmd="$cmd${CUT:+ --cut $CUT}"   # CUT=0.125: completions of spread lengths (the training phase as with a real model)
   echo "+ $cmd ${VARIANTS:+--variants \"$VARIANTS\"}   (time box ${left} s)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   t0=$(date +%s)
