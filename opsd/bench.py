@@ -13,12 +13,12 @@ from .diagnostics import clip_diagnostics
 from .fused import fused_divergence, bf16_case, grad_error
 
 # %% auto #0
-__all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'E2E_DEFAULT', 'sync', 'time_fn', 'cuda_peak_extra',
-           'rss_bytes', 'reset_peak_rss', 'max_rss_bytes', 'naive_loss', 'run_loss_variant', 'reference_grad',
-           'loss_bench_cpu', 'loss_bench_cuda', 'format_table', 'loss_table', 'random_qwen3_checkpoint',
-           'bench_problems', 'rollout_bench', 'rollout_table', 'cut_completions', 'spread_lengths', 'e2e_bench',
-           'baseline_drift', 'e2e_table', 'overlap_table', 'e2e_report', 'floors_table', 'model_costs', 'phase_floors',
-           'device_rates', 'main']
+__all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'FP8_ROLLOUT', 'E2E_DEFAULT', 'sync', 'time_fn',
+           'cuda_peak_extra', 'rss_bytes', 'reset_peak_rss', 'max_rss_bytes', 'naive_loss', 'run_loss_variant',
+           'reference_grad', 'loss_bench_cpu', 'loss_bench_cuda', 'format_table', 'loss_table',
+           'random_qwen3_checkpoint', 'bench_problems', 'rollout_bench', 'rollout_table', 'cut_completions',
+           'spread_lengths', 'e2e_bench', 'baseline_drift', 'e2e_table', 'overlap_table', 'e2e_report', 'floors_table',
+           'model_costs', 'phase_floors', 'device_rates', 'main']
 
 # %% ../nbs/12_bench.ipynb #f44ed421
 def sync(device) -> None:
@@ -362,6 +362,16 @@ for lever, over in [("cap 2", dict(async_queue=2)), ("cap 8", dict(async_queue=8
                     ("priority", dict(async_priority=True)), ("carveout 32", dict(async_carveout=32))]:
     E2E_VARIANTS[f"opsd best + kernels + async ({lever})"] = dict(E2E_VARIANTS["opsd best + kernels + async"], **over)
 E2E_VARIANTS["opsd best + kernels + async + packed"] = dict(E2E_VARIANTS["opsd best + kernels + async"], packed=True)
+# a departure: the rollout samples from the student's weights quantized to fp8, with an fp8 KV cache (its own engine)
+FP8_ROLLOUT = dict(rollout_quantization="fp8", rollout_kv_cache="fp8")
+E2E_VARIANTS["opsd best + liger + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + liger"], **FP8_ROLLOUT)
+E2E_VARIANTS["opsd best + kernels + async + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + kernels + async"],
+                                                               **FP8_ROLLOUT)
+# the same sampling with one seed per step instead of one per prompt (vLLM then draws every row's noise with one kernel
+# a decoding step instead of one per row); run them together, so that "vs released" compares like with like
+for n in ("released", "opsd best + liger", "opsd best + liger + packed", "opsd best + kernels + async",
+          "opsd best + kernels + async + packed"):
+    E2E_VARIANTS[f"{n} (call seeds)"] = dict(E2E_VARIANTS[n], sample_seeding="call")
 # compile's warm-up (Inductor) is the longest: it runs late, so a time-boxed run keeps the others
 E2E_DEFAULT = ["released", "opsd best", "opsd best + liger", "opsd best + async", "opsd best + compile",
                "opsd best + kernels + async"]
@@ -398,13 +408,13 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
              ) -> list[dict]:
     "Median seconds per `OPSDTrainer.step` (rollout/train/sync/overlap), tok/s, peak memory, floors, per variant."
     import gc, tempfile, traceback
-    from opsd.train import OPSDConfig, OPSDTrainer
+    from opsd.train import OPSDConfig, OPSDTrainer, engine_settings
     variants = {n: E2E_VARIANTS[n] for n in E2E_DEFAULT} if variants is None else variants
     problems = problems or bench_problems(64)
     run_root = Path(run_root or tempfile.mkdtemp(prefix="opsd-e2e-"))
     cuda = torch.cuda.is_available()
     rates = rates or device_rates("cuda" if cuda else "cpu")
-    shared, rows, costs = None, [], None
+    engines, rows, costs = {}, [], None   # one engine per rollout setting (`engine_settings`), shared
     todo = [(n, o, None) for n, o in variants.items()]
     if bracket and len(todo) > 1: todo.append((f"{todo[0][0]} (again)", todo[0][1], todo[0][0]))
     for name, over, again_of in todo:
@@ -419,8 +429,11 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
                                 "run_dir": str(run_root / slug), "name": slug, "rollout": rollout,
                                 "vllm_memory": vllm_memory, "seed": 0, "kernels": kernels})
             t0 = time.perf_counter()
-            tr = OPSDTrainer(cfg, problems, model_path=str(model_dir), progress=progress, rollout=shared)  # one engine
-            if shared is None: shared = tr.rollout   # (the trainer applied cfg.kernels: the path `opsd train` runs)
+            key = engine_settings(cfg)
+            for k, e in engines.items():             # fp8 rows: the bf16 engine sleeps (frees its memory) meanwhile
+                if k != key: e.sleep()
+            tr = OPSDTrainer(cfg, problems, model_path=str(model_dir), progress=progress, rollout=engines.get(key))
+            engines.setdefault(key, tr.rollout)      # (the trainer applied cfg.kernels: the path `opsd train` runs)
             row["setup_s"] = time.perf_counter() - t0
             costs = costs or model_costs(tr.unwrapped.config, cfg.dtype)
             per = []

@@ -13,11 +13,13 @@ from .collate import as_ids, eos_set, trim_at_eos, pad_eos_ids, left_pad
 from .loss import sampled_token_logprobs
 
 # %% auto #0
-__all__ = ['WARM_SAMPLINGS', 'VLLM_FIX', 'ROLLOUT_BACKENDS', 'SamplingConfig', 'Rollout', 'finish_rows', 'HFRollout',
+__all__ = ['SEEDINGS', 'WARM_SAMPLINGS', 'VLLM_FIX', 'ROLLOUT_BACKENDS', 'SamplingConfig', 'Rollout', 'finish_rows', 'HFRollout',
            'merged_state_dict', 'vllm_sampling_kwargs', 'sampler_variant', 'sampler_warmup_sizes', 'vllm_env',
            'require_vllm', 'engine_stream', 'VLLMRollout', 'resolve_backend', 'make_rollout']
 
 # %% ../nbs/05_rollout.ipynb #cdfad322
+SEEDINGS = ("row", "call")
+
 @dataclass
 class SamplingConfig:
     "Sampling settings shared by every backend; the defaults are the released recipe's."
@@ -26,6 +28,8 @@ class SamplingConfig:
     top_k: int = 20 # 0 = off
     max_new_tokens: int = 1024 # completion budget (released: 1024; earlier 2048)
     seed: int = 0 # same seed, same prompts, same batch size -> same completions
+    seeding: str = "row" # vLLM: 'row' (request i seeded seed + i: a row's completion does not depend on its batch) or
+    #                      'call' (the engine's generator seeded once per call: one noise kernel a decoding step)
 
     def __post_init__(self):
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -34,6 +38,7 @@ class SamplingConfig:
         if self.top_k is None: self.top_k = 0
         if self.top_k < 0: raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_new_tokens < 1: raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seeding not in SEEDINGS: raise ValueError(f"seeding must be one of {SEEDINGS}, got {self.seeding!r}")
 
     @property
     def greedy(self) -> bool: return self.temperature == 0
@@ -221,7 +226,8 @@ def vllm_sampling_kwargs(sampling: SamplingConfig, # sampling settings
                          row: int = 0, # prompt index: the seed is sampling.seed + row
                         ) -> dict: # keyword arguments for vllm.SamplingParams
     "Map a `SamplingConfig` to `vllm.SamplingParams` keyword arguments."
-    kw = dict(n=1, max_tokens=sampling.max_new_tokens, seed=sampling.seed + row, logprobs=0 if logprobs else None,
+    seed = sampling.seed + row if sampling.seeding == "row" else None   # 'call': `VLLMRollout.generate` seeds
+    kw = dict(n=1, max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0 if logprobs else None,
               detokenize=False, skip_special_tokens=False)
     if sampling.greedy: kw.update(temperature=0.0, top_p=1.0, top_k=-1)
     else: kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1)
@@ -259,6 +265,12 @@ def _vllm_model(llm):
 
 def _rpc_load_weights(worker, weights):  # runs on a vLLM worker
     worker.model_runner.model.load_weights(weights=weights)
+
+def _rpc_manual_seed(worker, seed):  # runs on a vLLM worker: the generator its sampler draws unseeded requests from
+    torch.cuda.manual_seed(seed)
+
+def _rpc_reload_weights(worker, weights):  # runs on a vLLM worker: checkpoint-format weights, quantized again in place
+    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
 
 VLLM_FIX = ("install vLLM on a CUDA machine (vLLM 0.24.0 matches torch 2.11; see tutorials/gpu_qwen3 for carrying the "
             "wheels to an offline GPU) or use rollout='hf' (rollout='auto' picks vLLM only when it works)")
@@ -312,7 +324,7 @@ class VLLMRollout:
                  logprobs_mode: str | None = "processed_logprobs", # engine logprobs mode (None: vLLM's default)
                  progress: bool = True, # vLLM's tqdm bar
                  warm: bool = True, # compile the sampler's top-k/top-p variants now (`WARM_SAMPLINGS`), not mid-run
-                 **llm_kwargs, # anything else for vllm.LLM
+                 **llm_kwargs, # anything else for vllm.LLM (e.g. quantization='fp8', kv_cache_dtype='fp8')
                 ):
         vllm_env()
         vllm = require_vllm()
@@ -344,6 +356,8 @@ class VLLMRollout:
         self.stream = torch.cuda.current_stream()   # vLLM's: its CUDA graphs were captured on it
         self._vllm, self.llm, self.progress = vllm, llm, progress
         self.enable_sleep_mode, self.source = enable_sleep_mode, source
+        self.quantization = llm_kwargs.get("quantization")   # weights quantized by vLLM as it loads them (online)
+        self.kv_cache_dtype = llm_kwargs.get("kv_cache_dtype", "auto")
         self.asleep, self.weights_valid = 0, True  # sleep level (0 = awake); False after a level-2 sleep until reloaded
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else None
         self.warmed: dict[tuple, float] = {}  # sampler variant -> seconds its warm-up took (see `sampler_warmup_sizes`)
@@ -373,7 +387,9 @@ class VLLMRollout:
         "Load full HF-named weights into the engine (waking only its weights first) and drop the prefix cache."
         if self.asleep: self.llm.wake_up(tags=["weights"])
         model = _vllm_model(self.llm)
-        if model is not None: model.load_weights(weights=iter(state.items()))
+        if self.quantization:   # vLLM's layerwise reload quantizes the bf16 weights again, into the same storage
+            self.llm.collective_rpc(_rpc_reload_weights, args=(list(state.items()),))
+        elif model is not None: model.load_weights(weights=iter(state.items()))
         else: self.llm.collective_rpc(_rpc_load_weights, args=(list(state.items()),))
         if self.asleep: self.llm.wake_up(tags=["kv_cache"]); self.asleep = 0
         self.weights_valid = True
@@ -406,6 +422,8 @@ class VLLMRollout:
         self.wake_up()
         self.warm_sampler(sampling, pad_token=prompts[0][0])
         params = [self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling, logprobs, i)) for i in range(len(prompts))]
+        if sampling.seeding == "call" and not sampling.greedy:
+            self.llm.collective_rpc(_rpc_manual_seed, args=(sampling.seed,))
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=self.progress)
         secs = time.perf_counter() - t0

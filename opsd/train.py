@@ -17,7 +17,7 @@ from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, norma
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_frame
 from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_problems, check_context, model_context
 from .collate import collate, batch_logits, trim_at_eos, PAD_MODES
-from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
+from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend, SEEDINGS
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
 from .kernels import KERNELS, apply_kernels
 from .packing import pack, packed_logits, use_packed_attention
@@ -28,9 +28,9 @@ __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUT
            'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'ASYNC_SWITCH_S', 'OPSDConfig',
            'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
            'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
-           'UpdateResult', 'Timings', 'OPSDTrainer', 'length_groups', 'padded_share', 'config_differences',
-           'check_run_config', 'check_same_base', 'base_fingerprint', 'train', 'PendingRollout', 'TrainingJob',
-           'LaunchThrottle', 'sm_carveout']
+           'UpdateResult', 'Timings', 'rollout_engine_kw', 'engine_settings', 'OPSDTrainer', 'length_groups',
+           'padded_share', 'config_differences', 'check_run_config', 'check_same_base', 'base_fingerprint', 'train',
+           'PendingRollout', 'TrainingJob', 'LaunchThrottle', 'sm_carveout']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -98,9 +98,14 @@ class OPSDConfig:
     sample_temperature: float = 1.1
     top_p: float = 0.95
     sample_top_k: int = 20
+    sample_seeding: str = "row"  # vLLM: 'row' (one seed per prompt, a generator each) or 'call' (one seed per step:
+    #                              the same distribution, one noise kernel per decoding step; rows depend on the batch)
     rollout: str = "auto"  # 'auto' (vLLM on CUDA when installed, else HF), 'hf' or 'vllm'
     vllm_memory: float = 0.3  # vLLM's share of GPU memory (weights + KV cache), colocated with training
     vllm_sleep: bool = True  # vLLM sleeps (frees its memory) during the training phase of each step
+    rollout_quantization: str | None = None  # vLLM: 'fp8' samples from the student's weights quantized to fp8 as they
+    #                                          load (a departure: completions from an approximation of the student)
+    rollout_kv_cache: str = "auto"  # vLLM's KV-cache dtype: 'auto' (the weights') or 'fp8' (a departure, as above)
     replicate_rollout: bool = False  # every process samples the whole step batch (exactly equal to 1 process)
     async_rollout: bool = False  # one step off-policy: step t trains on completions sampled before step t-1's update,
     #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
@@ -120,7 +125,8 @@ class OPSDConfig:
         for f in dataclasses.fields(self): setattr(self, f.name, _check_type(f, getattr(self, f.name)))
         checks = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=PAD_MODES, scheduler=SCHEDULERS,
                       objective=OBJECTIVES, rollout=ROLLOUTS, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES,
-                      fused_kernel=FUSED_KERNEL_MODES, kernels=KERNELS)
+                      fused_kernel=FUSED_KERNEL_MODES, kernels=KERNELS,
+                      sample_seeding=SEEDINGS)
         for k, allowed in checks.items():
             if getattr(self, k) not in allowed:
                 raise ValueError(f"config field {k}={getattr(self, k)!r}: must be one of {allowed}")
@@ -137,6 +143,10 @@ class OPSDConfig:
         for k in ("lr", "temperature", "lora_alpha"):
             if not getattr(self, k) > 0: raise ValueError(f"config field {k}={getattr(self, k)!r}: must be > 0")
         if not 0 < self.top_p <= 1: raise ValueError(f"config field top_p={self.top_p!r}: must be in (0, 1]")
+        if self.rollout_quantization not in (None, "fp8"):
+            raise ValueError(f"config field rollout_quantization={self.rollout_quantization!r}: must be None or 'fp8'")
+        if self.rollout_kv_cache not in ("auto", "fp8"):
+            raise ValueError(f"config field rollout_kv_cache={self.rollout_kv_cache!r}: must be 'auto' or 'fp8'")
         if not 0 < self.vllm_memory < 1:
             raise ValueError(f"config field vllm_memory={self.vllm_memory!r}: must be in (0, 1)")
         if not 0 <= self.ema_decay < 1:
@@ -462,6 +472,17 @@ def _scheduler(optimizer, cfg: OPSDConfig):
     name = "constant_with_warmup" if cfg.scheduler == "constant" else cfg.scheduler
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps)
 
+def rollout_engine_kw(cfg: OPSDConfig) -> dict:
+    "The `vllm.LLM` arguments of a config's rollout departures (fp8 weights, fp8 KV cache); {} for the default."
+    out = dict(quantization=cfg.rollout_quantization) if cfg.rollout_quantization else {}
+    if cfg.rollout_kv_cache != "auto": out["kv_cache_dtype"] = cfg.rollout_kv_cache
+    return out
+
+def engine_settings(x) -> tuple:
+    "(quantization, KV-cache dtype) of a config or a rollout engine (HF engines: the defaults)."
+    if isinstance(x, OPSDConfig): return x.rollout_quantization, x.rollout_kv_cache
+    return getattr(x, "quantization", None), getattr(x, "kv_cache_dtype", "auto")
+
 def _sync(device):
     if torch.device(device).type == "cuda": torch.cuda.synchronize(device)
 
@@ -522,7 +543,11 @@ class OPSDTrainer:
         self.scheduler = _scheduler(self.optimizer, cfg)                   # stepped once per optimizer step by us
         self.teacher = Teacher(self.unwrapped, cfg.teacher, cfg.ema_decay, cfg.ema_start)
         self.sampling = SamplingConfig(temperature=cfg.sample_temperature, top_p=cfg.top_p, top_k=cfg.sample_top_k,
+                                       seeding=cfg.sample_seeding,
                                        max_new_tokens=cfg.max_completion_length, seed=cfg.seed)
+        if rollout is not None and engine_settings(rollout) != engine_settings(cfg):
+            raise ValueError(f"the given rollout engine samples with {engine_settings(rollout)}, this config with "
+                             f"{engine_settings(cfg)}: give it an engine with its own settings (or none)")
         self.rollout = rollout if rollout is not None else self._make_rollout()
         if rollout is not None: self.sync()   # a shared engine may hold another run's student: load ours first
         # after the rollout is made: HFRollout copies the model, and a compiled copy would recompile under generate
@@ -542,10 +567,14 @@ class OPSDTrainer:
         if backend == "vllm":   # the engine is sized for the longest student prompt plus the completion budget
             longest = max(len(self.prompts(i)[0]) for i in range(len(self.problems)))
             max_len = longest + self.cfg.max_completion_length
+        engine = rollout_engine_kw(self.cfg)
+        if engine and backend != "vllm":
+            raise ValueError(f"config fields rollout_quantization / rollout_kv_cache ({engine}) are vLLM's; the "
+                             f"rollout here is {backend!r} (rollout={self.cfg.rollout!r}): use rollout='vllm' on CUDA")
         # HF: a LoRA-merged copy generates (fewer ops per decoding step); `sync` refreshes it
         return make_rollout(backend, self.unwrapped, self.tok, self.model_path, max_model_len=max_len,
                             gpu_memory_utilization=self.cfg.vllm_memory, sleep=self.cfg.vllm_sleep, seed=self.cfg.seed,
-                            progress=False, merged=True)
+                            progress=False, merged=True, **engine)
 
     def prompts(self, i: int) -> tuple[list[int], list[int]]:
         "Student and teacher prompt ids of problem i (cached)."

@@ -109,6 +109,20 @@ def test_seeded_sampling_repeats(setup):
     assert a != c
 
 
+def test_call_seeding_repeats_and_is_one_generator(setup):
+    """`seeding='call'`: the requests carry no seed of their own (one noise kernel a decoding step instead of one
+    generator per request); the engine's generator is seeded once per call. The same seed repeats, another differs,
+    and so does row seeding with the same seed (other random numbers, the same distribution)."""
+    ro = setup["ro"]
+    ro.sync_weights(setup["student"])
+    kw = dict(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=32)
+    call = [ro.generate(setup["prompts"], SamplingConfig(**kw, seed=s, seeding="call")).completion_ids
+            for s in (5, 5, 6)]
+    row = ro.generate(setup["prompts"], SamplingConfig(**kw, seed=5)).completion_ids
+    assert call[0] == call[1]
+    assert call[0] != call[2] and call[0] != row
+
+
 def test_sleep_and_sync(setup):
     ro, student = setup["ro"], setup["student"]
     sc = SamplingConfig(temperature=0, max_new_tokens=24)
@@ -230,3 +244,68 @@ def test_smollm2_vllm_greedy_after_sync_equals_merged_hf(tmp_path):
     for i, g in parted:
         assert isinstance(g, float) and g < TIE, f"row {i} parts where HF's logits are not tied (gap {g})"
     assert sum(len(c) for c in got) >= 8 * 16, "completions too short to compare"
+
+
+FP8_CHILD = r'''
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from opsd.data import qwen3_tokenizer
+from opsd.rollout import SamplingConfig, make_rollout
+base_dir, student_dir, mode = sys.argv[1:4]
+tok = qwen3_tokenizer()
+prompts = [[int(t) for t in torch.randint(100, 5000, (n,), generator=torch.Generator().manual_seed(n))]
+           for n in (5, 9, 17, 33)]
+ro = make_rollout("vllm", None, tok, base_dir if mode == "sync" else student_dir, max_model_len=256,
+                  gpu_memory_utilization=0.2, sleep=True, seed=0, progress=False, quantization="fp8",
+                  kv_cache_dtype="fp8")
+sc = SamplingConfig(temperature=0, max_new_tokens=48)
+out = dict(quantization=ro.quantization, kv=ro.kv_cache_dtype, first=ro.generate(prompts, sc).completion_ids)
+if mode == "sync":
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.bfloat16).cuda()
+    ro.sync_weights(student)
+    out["synced"] = ro.generate(prompts, sc).completion_ids
+    ro.sleep(2)                                  # weights dropped; generate reloads them from the source
+    out["after_sleep"] = ro.generate(prompts, sc).completion_ids
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_fp8_rollout_sync_equals_fresh_fp8_engine(tmp_path):
+    """`rollout_quantization='fp8'` with an fp8 KV cache: vLLM quantizes the weights as it loads them, so
+    `sync_weights` goes through vLLM's layerwise reload (`reload_weights`), which quantizes the new bf16 weights again
+    into the same storage (the CUDA graphs keep reading it). Greedy completions of an fp8 engine started on the base
+    and synced to a student equal those of an fp8 engine started on the student's own folder, token for token, also
+    after a level-2 sleep and reload; and they differ from the base's. Two processes: one engine each."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from opsd.data import qwen3_tokenizer
+    tok = qwen3_tokenizer()
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      initializer_range=0.2)
+    torch.manual_seed(0)
+    base = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    student = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():                                    # the student: the base moved by a few percent
+        for (n, p), q in zip(student.named_parameters(), base.parameters()): p.copy_(q * 1.05 + 0.01 * torch.randn_like(q))
+    for m, d in ((base, tmp_path / "base"), (student, tmp_path / "student")):
+        m.save_pretrained(d); tok.save_pretrained(d)
+    script = tmp_path / "fp8_child.py"
+    script.write_text(FP8_CHILD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    res = {}
+    for mode in ("sync", "fresh"):
+        r = subprocess.run([sys.executable, str(script), str(tmp_path / "base"), str(tmp_path / "student"), mode],
+                           capture_output=True, text=True, timeout=600, env=env)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+        assert r.returncode == 0 and line, f"{mode} child failed (rc {r.returncode}):\n{r.stderr[-6000:]}"
+        res[mode] = json.loads(line[len("RESULT "):])
+    assert (res["sync"]["quantization"], res["sync"]["kv"]) == ("fp8", "fp8")
+    assert res["sync"]["synced"] == res["fresh"]["first"], "fp8 reload of the student != an fp8 engine on the student"
+    assert res["sync"]["after_sleep"] == res["fresh"]["first"]
+    assert res["sync"]["first"] != res["fresh"]["first"], "the student must sample differently from the base"

@@ -189,3 +189,16 @@ def test_vllm_env_keeps_user_settings(monkeypatch):
 
 
 # the vLLM checks on a GPU are in tests/test_gpu.py
+
+
+def test_call_seeding_asks_vllm_for_no_row_seeds(tmp_path):
+    """`seeding='call'` gives vLLM requests without a seed (vLLM then draws all rows' noise with one kernel; the
+    rollout seeds the engine's generator once per call), `'row'` one seed per prompt; a bad value names the field."""
+    from opsd.rollout import SamplingConfig, vllm_sampling_kwargs
+    assert [vllm_sampling_kwargs(SamplingConfig(seed=3), row=r)["seed"] for r in (0, 1)] == [3, 4]
+    assert vllm_sampling_kwargs(SamplingConfig(seed=3, seeding="call"), row=1)["seed"] is None
+    with pytest.raises(ValueError, match="seeding must be one of"):
+        SamplingConfig(seeding="batch")
+    from opsd.train import OPSDConfig
+    with pytest.raises(ValueError, match="sample_seeding='batch'"):
+        OPSDConfig.toy(run_dir=str(tmp_path), sample_seeding="batch")

@@ -202,3 +202,21 @@ def test_load_model_with_a_trained_checkpoint(tiny_ckpt, toy_problems, tmp_path)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert (got - base).abs().max() > 1e-4
     assert tok.eos_token_id == tr.eos_id and not model.training
+
+
+def test_fp8_rollout_needs_vllm_and_its_own_engine(tiny_ckpt, toy_problems, tmp_path):
+    """`rollout_quantization` / `rollout_kv_cache` are vLLM engine settings: with the HF rollout the trainer refuses
+    them, naming the fields, and a shared engine with other settings is refused rather than silently used (the bench
+    keeps one engine per setting)."""
+    from opsd.train import engine_settings, rollout_engine_kw
+    with pytest.raises(ValueError, match="rollout_quantization='int8'"):
+        OPSDConfig.toy(rollout_quantization="int8")
+    cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "a"), rollout="hf", rollout_quantization="fp8",
+                         rollout_kv_cache="fp8")
+    assert rollout_engine_kw(cfg) == dict(quantization="fp8", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="are vLLM's; the rollout here is 'hf'"):
+        OPSDTrainer(cfg, toy_problems, progress=False)
+    plain = OPSDTrainer(cfg.replace(rollout_quantization=None, rollout_kv_cache="auto"), toy_problems, progress=False)
+    assert engine_settings(plain.rollout) == (None, "auto") and rollout_engine_kw(plain.cfg) == {}
+    with pytest.raises(ValueError, match="give it an engine with its own settings"):
+        OPSDTrainer(cfg.replace(run_dir=str(tmp_path / "b")), toy_problems, progress=False, rollout=plain.rollout)
