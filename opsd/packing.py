@@ -100,6 +100,7 @@ def flash_varlen(q, k, v, cu_seqlens, max_len: int, scale: float | None = None) 
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params: kw["enable_gqa"] = True
         else: k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
+    q, k, v = (x.contiguous() for x in (q, k, v))             # (T, H, D) views of (H, T, D) in the model
     out = fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kw)
     return out[0] if isinstance(out, tuple) else out
 
