@@ -105,8 +105,9 @@ def flash_varlen(q, k, v, cu_seqlens, max_len: int, scale: float | None = None) 
     return out[0] if isinstance(out, tuple) else out
 
 def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float | None = None) -> torch.Tensor:
-    "Causal attention inside each packed row: `flash_varlen` on CUDA in bf16/fp16, else `varlen_reference`."
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _torch_varlen() is not None:
+    "Causal attention inside each packed row: `flash_varlen` where it applies, else `varlen_reference`."
+    D = q.shape[-1]                                            # flash kernels: half types, D a multiple of 8 <= 256
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and D % 8 == 0 and D <= 256 and _torch_varlen():
         return flash_varlen(q, k, v, cu_seqlens, max_len, scale)
     return varlen_reference(q, k, v, cu_seqlens, scale)
 

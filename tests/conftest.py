@@ -24,10 +24,10 @@ def _tiny_qwen3(tmp_path_factory, name: str, seed: int, **extra) -> Path:
     from opsd.toy import toy_tokenizer
     tok = toy_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                                         max_position_embeddings=1024, tie_word_embeddings=True,
-                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **extra))
+    shape = dict(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=12, max_position_embeddings=1024, tie_word_embeddings=True,
+                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**shape, **extra}))
     path = tmp_path_factory.mktemp("ckpt") / name
     model.save_pretrained(path); tok.save_pretrained(path)
     return path
