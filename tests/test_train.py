@@ -88,6 +88,17 @@ def test_two_processes_equal_one(tiny_ckpt, reference_run, tmp_path):
     assert_rows_close(rows(run), rows(reference_run), rtol=1e-4, atol=1e-6)
 
 
+def test_two_processes_packed_equal_one_padded(tiny_ckpt, reference_run, tmp_path):
+    "Packed micro-batches (opsd.packing) under DDP with two processes: the one-process padded run's rows."
+    run = tmp_path / "run2p-packed"
+    cmd = [venv_bin("accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "opsd.cli"]
+    cmd += train_cmd(tiny_ckpt, run)[1:] + ["replicate_rollout=true", "packed=true"]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert json.loads((run / "config.json").read_text())["packed"] is True
+    assert_rows_close(rows(run), rows(reference_run), rtol=1e-4, atol=1e-6)
+
+
 def test_gradient_accumulation_is_exact(tiny_ckpt, toy_problems, tmp_path):
     "micro-batches of 2 vs one micro-batch of 8: the same gradient (global token normalisation)."
     grads = {}
