@@ -13,7 +13,7 @@ from .diagnostics import clip_diagnostics
 from .fused import fused_divergence, bf16_case, grad_error
 
 # %% auto #0
-__all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'FP8_ROLLOUT', 'E2E_DEFAULT', 'sync', 'time_fn',
+__all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'FP8_ROLLOUT', 'E2E_DEFAULT', 'SETUP', 'sync', 'time_fn',
            'cuda_peak_extra', 'rss_bytes', 'reset_peak_rss', 'max_rss_bytes', 'naive_loss', 'run_loss_variant',
            'reference_grad', 'loss_bench_cpu', 'loss_bench_cuda', 'format_table', 'loss_table',
            'random_qwen3_checkpoint', 'bench_problems', 'rollout_bench', 'rollout_table', 'cut_completions',
@@ -376,13 +376,18 @@ for n in ("released", "opsd best + liger", "opsd best + liger + packed", "opsd b
 E2E_DEFAULT = ["released", "opsd best", "opsd best + liger", "opsd best + async", "opsd best + compile",
                "opsd best + kernels + async"]
 
+SETUP = ("kernels", "packed", "sample_seeding", "rollout_quantization", "rollout_kv_cache")   # all but the overlap
+
+def _sync_best(r: dict) -> bool:
+    "A measured synchronous 'opsd best' row with the default loss kernel: what kernel choices and overlaps compare with."
+    return (r["variant"].startswith("opsd best") and not r.get("async_rollout") and not r.get("error")
+            and r.get("s_per_step") is not None and r.get("fused_kernel") is None)
+
 def _best_kernels(rows: list[dict]) -> tuple[str, str]:
     """The kernels of the synchronous 'opsd best' rows measured so far with the fewest seconds a step, and the choice.
     A step, not the training phase: on the H200 compiled layers trained fastest (1.79 s) but the same process's
     rollouts then ran slower (4.25 s against 3.36 s for released, twice), and their async row lost to Liger's."""
-    cand = [r for r in rows if r["variant"].startswith("opsd best") and not r.get("async_rollout")
-            and not r.get("error") and r.get("s_per_step") is not None and r.get("fused_kernel") is None
-            and not r.get("packed")]   # kernels compared on the same layout; packing is a variant of its own
+    cand = [r for r in rows if _sync_best(r) and not r.get("packed")]   # kernels compared on the same layout
     if not cand: return "none", "no synchronous opsd best row measured: none"
     best = min(cand, key=lambda r: r["s_per_step"])
     return best.get("kernels", "none"), ", ".join(f"{r.get('kernels', 'none')} {r['s_per_step']:.2f} s/step"
@@ -512,15 +517,15 @@ def e2e_table(rows: list[dict]) -> str:
                               ("backend", "rollout", ""), ("error", "error", "")])
 
 def overlap_table(rows: list[dict]) -> str:
-    """Each async row against the synchronous 'opsd best' row of the same run with the same kernels (the nearest in
-    the run's order): the seconds a step that overlapping saved, and that saving as a share of the shorter synchronous
-    half (the most an overlap can hide: 100% if the halves shared the GPU for free, 0% if they only took turns)."""
+    """Each async row against the synchronous 'opsd best' row of the same run with the same `SETUP` (kernels, packing,
+    seeding, rollout precision; the nearest in the run's order): the seconds a step that overlapping saved, and that
+    saving as a share of the shorter synchronous half (the most an overlap can hide: 100% if the halves shared the
+    GPU for free, 0% if they only took turns)."""
     out = []
     for i, r in enumerate(rows):
         if not r.get("async_rollout") or r.get("error") or r.get("s_per_step") is None: continue
-        sync = [(abs(j - i), j, s) for j, s in enumerate(rows) if s["variant"].startswith("opsd best")
-                and not s.get("async_rollout") and not s.get("error") and s.get("fused_kernel") is None
-                and s.get("kernels") == r.get("kernels") and s.get("s_per_step") is not None]
+        sync = [(abs(j - i), j, s) for j, s in enumerate(rows)
+                if _sync_best(s) and all(s.get(k) == r.get(k) for k in SETUP)]
         if not sync: continue
         s = min(sync)[2]; shorter = min(s["rollout_s"], s["train_s"]); saved = s["s_per_step"] - r["s_per_step"]
         out.append(dict(variant=r["variant"], against=s["variant"], sync_s=s["s_per_step"], async_s=r["s_per_step"],

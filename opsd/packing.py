@@ -4,7 +4,7 @@
 
 # %% ../nbs/05f_packing.ipynb #pk043ad4
 from __future__ import annotations
-import inspect
+import functools, inspect
 from dataclasses import dataclass, fields
 import torch
 from .collate import OPSDBatch
@@ -83,16 +83,17 @@ def varlen_reference(q: torch.Tensor, # (T, Hq, D) queries of the packed sequenc
                    .transpose(0, 1))
     return torch.cat(out)
 
-def _torch_varlen():
+@functools.cache
+def _varlen_api() -> tuple:
+    "torch's `varlen_attn` and the names of its parameters, read once ((None, ()) where this torch has none)."
     try: from torch.nn.attention.varlen import varlen_attn
-    except ImportError: return None
-    return varlen_attn
+    except ImportError: return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 def flash_varlen(q, k, v, cu_seqlens, max_len: int, scale: float | None = None) -> torch.Tensor:
     "torch's flash-attention varlen kernel, causal, on `varlen_reference`'s arguments (CUDA, bf16/fp16)."
-    fn = _torch_varlen()
+    fn, params = _varlen_api()
     if fn is None: raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)")
-    params = inspect.signature(fn).parameters
     kw = dict(is_causal=True) if "is_causal" in params else dict(window_size=(-1, 0))
     D = q.shape[-1]
     if scale is not None and "scale" in params: kw["scale"] = scale
@@ -107,7 +108,7 @@ def flash_varlen(q, k, v, cu_seqlens, max_len: int, scale: float | None = None) 
 def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float | None = None) -> torch.Tensor:
     "Causal attention inside each packed row: `flash_varlen` where it applies, else `varlen_reference`."
     D = q.shape[-1]                                            # flash kernels: half types, D a multiple of 8 <= 256
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and D % 8 == 0 and D <= 256 and _torch_varlen():
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and D % 8 == 0 and D <= 256 and _varlen_api()[0]:
         return flash_varlen(q, k, v, cu_seqlens, max_len, scale)
     return varlen_reference(q, k, v, cu_seqlens, scale)
 

@@ -386,10 +386,9 @@ class VLLMRollout:
     def load_state_dict(self, state: dict[str, torch.Tensor]):
         "Load full HF-named weights into the engine (waking only its weights first) and drop the prefix cache."
         if self.asleep: self.llm.wake_up(tags=["weights"])
-        model = _vllm_model(self.llm)
         if self.quantization:   # vLLM's layerwise reload quantizes the bf16 weights again, into the same storage
             self.llm.collective_rpc(_rpc_reload_weights, args=(list(state.items()),))
-        elif model is not None: model.load_weights(weights=iter(state.items()))
+        elif (model := _vllm_model(self.llm)) is not None: model.load_weights(weights=iter(state.items()))
         else: self.llm.collective_rpc(_rpc_load_weights, args=(list(state.items()),))
         if self.asleep: self.llm.wake_up(tags=["kv_cache"]); self.asleep = 0
         self.weights_valid = True

@@ -125,8 +125,8 @@ class OPSDConfig:
         for f in dataclasses.fields(self): setattr(self, f.name, _check_type(f, getattr(self, f.name)))
         checks = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=PAD_MODES, scheduler=SCHEDULERS,
                       objective=OBJECTIVES, rollout=ROLLOUTS, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES,
-                      fused_kernel=FUSED_KERNEL_MODES, kernels=KERNELS,
-                      sample_seeding=SEEDINGS)
+                      fused_kernel=FUSED_KERNEL_MODES, kernels=KERNELS, sample_seeding=SEEDINGS,
+                      rollout_quantization=(None, "fp8"), rollout_kv_cache=("auto", "fp8"))
         for k, allowed in checks.items():
             if getattr(self, k) not in allowed:
                 raise ValueError(f"config field {k}={getattr(self, k)!r}: must be one of {allowed}")
@@ -143,10 +143,6 @@ class OPSDConfig:
         for k in ("lr", "temperature", "lora_alpha"):
             if not getattr(self, k) > 0: raise ValueError(f"config field {k}={getattr(self, k)!r}: must be > 0")
         if not 0 < self.top_p <= 1: raise ValueError(f"config field top_p={self.top_p!r}: must be in (0, 1]")
-        if self.rollout_quantization not in (None, "fp8"):
-            raise ValueError(f"config field rollout_quantization={self.rollout_quantization!r}: must be None or 'fp8'")
-        if self.rollout_kv_cache not in ("auto", "fp8"):
-            raise ValueError(f"config field rollout_kv_cache={self.rollout_kv_cache!r}: must be 'auto' or 'fp8'")
         if not 0 < self.vllm_memory < 1:
             raise ValueError(f"config field vllm_memory={self.vllm_memory!r}: must be in (0, 1)")
         if not 0 <= self.ema_decay < 1:

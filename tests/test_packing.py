@@ -116,3 +116,45 @@ def test_packed_step_on_cuda_is_close(tmp_path_factory, toy_problems, tmp_path):
     assert rows[True]["tokens"] == rows[False]["tokens"] == sum(cut)
     for k in ("loss", "kl/true"):
         assert rows[True][k] == pytest.approx(rows[False][k], rel=3e-2), k
+
+
+def _fake_varlen(api: str):
+    """A stand-in for torch's `varlen_attn` with the signature of one torch release, computing per-row sdpa on the CPU:
+    '2.10' (is_causal, no scale, equal head counts) or '2.12' (window_size, scale, enable_gqa)."""
+    def rows(q, k, v, cu, causal, scale):
+        out = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            qq, kk, vv = (x[a:b].transpose(0, 1) for x in (q, k, v))
+            out.append(torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, scale=scale)
+                       .transpose(0, 1))
+        return torch.cat(out)
+    if api == "2.10":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            assert key.shape[1] == query.shape[1], "this torch takes no grouped-query heads"
+            return rows(query, key, value, cu_seq_q, is_causal, None)
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False):
+            if key.shape[1] != query.shape[1]:
+                assert enable_gqa, "grouped-query heads need enable_gqa=True"
+                key, value = (x.repeat_interleave(query.shape[1] // key.shape[1], 1) for x in (key, value))
+            return rows(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("api", ["2.10", "2.12"])
+def test_flash_varlen_adapts_to_each_torch_signature(monkeypatch, api):
+    """`flash_varlen` reads `varlen_attn`'s signature and asks for causal attention, the model's softmax scale and
+    grouped-query heads in whatever way that torch release takes them (scaling the queries, repeating key/value heads
+    where an argument is missing). Against stand-ins with the signatures of torch 2.10 and 2.12 it equals the per-row
+    reference (CPU, float64). Breaks that made it fail: no causal flag ('2.10': full attention in each row); the scale
+    dropped where the signature has none."""
+    import inspect
+    import opsd.packing as P
+    fake = _fake_varlen(api)
+    monkeypatch.setattr(P, "_varlen_api", lambda: (fake, frozenset(inspect.signature(fake).parameters)))
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    q, k, v = (torch.randn(13, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    got = P.flash_varlen(q, k, v, cu, 7, scale=0.2)
+    torch.testing.assert_close(got, varlen_reference(q, k, v, cu, scale=0.2), rtol=1e-12, atol=1e-12)
