@@ -25,8 +25,8 @@ from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS',
-           'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'ASYNC_SWITCH_S', 'OPSDConfig',
-           'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
+           'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'OPSDConfig', 'read_yaml',
+           'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
            'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
            'UpdateResult', 'Timings', 'rollout_engine_kw', 'engine_settings', 'OPSDTrainer', 'length_groups',
            'padded_share', 'config_differences', 'check_run_config', 'check_same_base', 'base_fingerprint', 'train',
@@ -116,6 +116,7 @@ class OPSDConfig:
     #                               no gain on the H200, 5.65 vs 5.61 s a step)
     async_carveout: int = 0  # async_rollout on CUDA: SMs that training's cuBLAS GEMMs leave free while the rollout runs
     #                          (`sm_carveout`; 32 on the H200: 4.88 vs 4.99 s a step, one run: off by default)
+    async_switch_ms: float = 1.0  # async_rollout on CUDA: the GIL switch interval while both threads run (Python's: 5)
     # prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)
     # logging
@@ -134,7 +135,7 @@ class OPSDConfig:
                       max_completion_length=(1, None), lora_r=(1, None), fused_chunk=(1, None), warmup_steps=(0, None),
                       log_positions=(0, None), sample_top_k=(0, None), beta=(0, 1), checkpointing=(0, 1),
                       lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None), async_queue=(0, None),
-                      async_carveout=(0, None))
+                      async_carveout=(0, None), async_switch_ms=(1e-3, 5.0))
         ranges.update(seed=(0, 2**32 - 1), cpu_threads=(0, None))   # seed: numpy's seeds are 32-bit
         for k, (lo, hi) in ranges.items():
             v = getattr(self, k)
@@ -955,7 +956,6 @@ class TrainingJob:
     error: BaseException | None = None
     thread: object = None
 
-ASYNC_SWITCH_S = 0.001   # the GIL switch interval while training and rollout threads run together (Python's is 5 ms)
 
 def _sync_main(device):
     "Wait for this thread's CUDA stream only (a device-wide synchronize would also wait for the other thread's kernels)."
@@ -1062,7 +1062,7 @@ def _step_async(self: OPSDTrainer, step: int) -> dict:
     if cuda and carve and carve >= (sms := torch.cuda.get_device_properties(dev).multi_processor_count):
         raise ValueError(f"config field async_carveout={carve}: must be below the GPU's {sms} SMs")
     switch = sys.getswitchinterval()
-    if cuda: sys.setswitchinterval(min(switch, ASYNC_SWITCH_S))
+    if cuda: sys.setswitchinterval(min(switch, self.cfg.async_switch_ms / 1000))
     try:
         with sm_carveout(carve):
             job = self.launch_training(plan, samples)
