@@ -372,6 +372,8 @@ FP8_ROLLOUT = dict(rollout_quantization="fp8", rollout_kv_cache="fp8")
 E2E_VARIANTS["opsd best + liger + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + liger"], **FP8_ROLLOUT)
 E2E_VARIANTS["opsd best + kernels + async + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + kernels + async"],
                                                                **FP8_ROLLOUT)
+E2E_VARIANTS["opsd best + liger + async + packed + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + liger + async + packed"],
+                                                                      **FP8_ROLLOUT)
 # the same sampling with one seed per step instead of one per prompt (vLLM then draws every row's noise with one kernel
 # a decoding step instead of one per row); run them together, so that "vs released" compares like with like
 for n in ("released", "opsd best + liger", "opsd best + liger + packed", "opsd best + kernels + async",
