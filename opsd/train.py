@@ -116,7 +116,7 @@ class OPSDConfig:
     #                               no gain on the H200, 5.65 vs 5.61 s a step)
     async_carveout: int = 0  # async_rollout on CUDA: SMs that training's cuBLAS GEMMs leave free while the rollout runs
     #                          (`sm_carveout`; 32 on the H200: 4.88 vs 4.99 s a step, one run: off by default)
-    async_switch_ms: float = 1.0  # async_rollout on CUDA: the GIL switch interval while both threads run (Python's: 5)
+    async_switch_ms: float = 1.0  # async_rollout: the GIL switch interval while both threads run (Python's: 5)
     # prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)
     # logging
@@ -1062,7 +1062,7 @@ def _step_async(self: OPSDTrainer, step: int) -> dict:
     if cuda and carve and carve >= (sms := torch.cuda.get_device_properties(dev).multi_processor_count):
         raise ValueError(f"config field async_carveout={carve}: must be below the GPU's {sms} SMs")
     switch = sys.getswitchinterval()
-    if cuda: sys.setswitchinterval(min(switch, self.cfg.async_switch_ms / 1000))
+    sys.setswitchinterval(min(switch, self.cfg.async_switch_ms / 1000))   # CPU too: the same code path, tested there
     try:
         with sm_carveout(carve):
             job = self.launch_training(plan, samples)

@@ -136,24 +136,27 @@ def test_async_training_runs_in_the_training_thread_on_cpu(sharp_ckpt, toy_probl
     assert all(r["time/train"] > 0 for r in rows)
 
 
-def test_sm_carveout_holds_while_training_and_is_restored(sharp_ckpt, toy_problems, tmp_path):
+def test_sm_carveout_and_switch_interval_hold_while_training_and_are_restored(sharp_ckpt, toy_problems, tmp_path):
     """`async_carveout=N` sets the process's cuBLAS SM carveout to N for the training half of each async step (read
-    in the training thread, where the GEMMs are launched) and puts the previous value back after it, also when the
-    training fails. Breaks that made it fail, each once: no `sm_carveout` around the launch (the thread reads None);
-    `sm_carveout` without its `finally` (the failed step leaves 8 set for the rest of the process)."""
+    in the training thread, where the GEMMs are launched) and `async_switch_ms` the GIL switch interval; both are put
+    back after it, also when the training fails. Breaks that made it fail, each once: no `sm_carveout` around the
+    launch (the thread reads None); `sm_carveout` without its `finally` (the failed step leaves 8 set for the rest of
+    the process); the interval set from the default instead of the field (0.001 read, not 0.0003)."""
+    import sys
     get = torch._C._get_sm_carveout_experimental
-    before = get()
-    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "carve", async_rollout=True, async_carveout=8, steps=2)
+    before, switch = get(), sys.getswitchinterval()
+    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "carve", async_rollout=True, async_carveout=8, steps=2,
+                      async_switch_ms=0.3)
     seen, upd = [], tr.update
-    tr.update = lambda: (seen.append(get()), upd())[1]
+    tr.update = lambda: (seen.append((get(), round(sys.getswitchinterval(), 7))), upd())[1]
     tr.step(1); tr.step(2)
-    assert seen == [8, 8] and get() == before
+    assert seen == [(8, 0.0003)] * 2 and get() == before and sys.getswitchinterval() == switch
     bad = make_trainer(sharp_ckpt, toy_problems, tmp_path / "boom", async_rollout=True, async_carveout=8, steps=2)
 
     def boom(): raise RuntimeError("boom")
     bad.update = boom
     with pytest.raises(RuntimeError, match="training of step 1 failed"): bad.step(1)
-    assert get() == before
+    assert get() == before and sys.getswitchinterval() == switch
 
 
 def test_launch_throttle_marks_each_layer_forward_and_backward(tiny_ckpt):
