@@ -103,5 +103,5 @@ stall)
     | grep -E "rollout seconds|per step|passed|failed|Error|assert" | tail -8
   echo "stall test wall $(( $(date +%s) - t0 )) s"
   ;;
-*) sed -n 2,13p "$0"; exit 2 ;;
+*) sed -n 2,14p "$0"; exit 2 ;;
 esac
