@@ -2,7 +2,7 @@
 # Issue 18 (speed) on one H200, after the vllm and opsd sets are unpacked into /tmp/site (tools/gpu/README.md) and with
 # .gpu-carry/extra carried (it holds liger_kernel-0.8.5-py3-none-any.whl). Usage: bash tools/gpu/speed.sh PHASE
 #   all     (one device call, <= 9 minutes) install Liger-Kernel, `python -m opsd.bench e2e --steps 4 --warmup 1` with
-#           E2E_DEFAULT's six variants (time box: LIMIT - 130 s from the start), then the GPU checks of tests/test_kernels.py
+#           E2E_DEFAULT's seven variants (time box: LIMIT - 130 s from the start), then the GPU checks of tests/test_kernels.py
 #   tests   only the GPU checks of tests/test_kernels.py
 #   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4, CUT=0.125 for completions of spread lengths)
 #   stall   pytest tests/test_gpu_stall.py (needs the smollm2 set too; about 2-3 minutes)
