@@ -374,17 +374,11 @@ E2E_VARIANTS["opsd best + kernels + async + fp8 rollout"] = dict(E2E_VARIANTS["o
                                                                **FP8_ROLLOUT)
 E2E_VARIANTS["opsd best + liger + async + packed + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + liger + async + packed"],
                                                                       **FP8_ROLLOUT)
-# the same sampling with one seed per step instead of one per prompt (vLLM then draws every row's noise with one kernel
-# a decoding step instead of one per row); run them together, so that "vs released" compares like with like
-for n in ("released", "opsd best + liger", "opsd best + liger + packed", "opsd best + kernels + async",
-          "opsd best + kernels + async + packed", "opsd best + liger + async + packed",
-          "opsd best + liger + async + packed (switch 0.2 ms)"):
-    E2E_VARIANTS[f"{n} (call seeds)"] = dict(E2E_VARIANTS[n], sample_seeding="call")
 # compile's warm-up (Inductor) is the longest: it runs late, so a time-boxed run keeps the others
 E2E_DEFAULT = ["released", "opsd best", "opsd best + liger", "opsd best + liger + packed", "opsd best + compile",
                "opsd best + kernels + async", "opsd best + liger + async + packed"]   # the last: fastest, 2026-12-05
 
-SETUP = ("kernels", "packed", "sample_seeding", "rollout_quantization", "rollout_kv_cache")   # all but the overlap
+SETUP = ("kernels", "packed", "rollout_quantization", "rollout_kv_cache")   # all but the overlap
 
 def _sync_best(r: dict) -> bool:
     "A measured synchronous 'opsd best' row with the default loss kernel: what kernel choices and overlaps compare with."
@@ -526,7 +520,7 @@ def e2e_table(rows: list[dict]) -> str:
 
 def overlap_table(rows: list[dict]) -> str:
     """Each async row against the synchronous 'opsd best' row of the same run with the same `SETUP` (kernels, packing,
-    seeding, rollout precision; the nearest in the run's order): the seconds a step that overlapping saved, and that
+    rollout precision; the nearest in the run's order): the seconds a step that overlapping saved, and that
     saving as a share of the shorter synchronous half (the most an overlap can hide: 100% if the halves shared the
     GPU for free, 0% if they only took turns)."""
     out = []

@@ -13,13 +13,11 @@ from .collate import as_ids, eos_set, trim_at_eos, pad_eos_ids, left_pad
 from .loss import sampled_token_logprobs
 
 # %% auto #0
-__all__ = ['SEEDINGS', 'WARM_SAMPLINGS', 'VLLM_FIX', 'ROLLOUT_BACKENDS', 'SamplingConfig', 'Rollout', 'finish_rows', 'HFRollout',
+__all__ = ['WARM_SAMPLINGS', 'VLLM_FIX', 'ROLLOUT_BACKENDS', 'SamplingConfig', 'Rollout', 'finish_rows', 'HFRollout',
            'merged_state_dict', 'vllm_sampling_kwargs', 'sampler_variant', 'sampler_warmup_sizes', 'vllm_env',
            'require_vllm', 'engine_stream', 'VLLMRollout', 'resolve_backend', 'make_rollout']
 
 # %% ../nbs/05_rollout.ipynb #cdfad322
-SEEDINGS = ("row", "call")
-
 @dataclass
 class SamplingConfig:
     "Sampling settings shared by every backend; the defaults are the released recipe's."
@@ -28,8 +26,6 @@ class SamplingConfig:
     top_k: int = 20 # 0 = off
     max_new_tokens: int = 1024 # completion budget (released: 1024; earlier 2048)
     seed: int = 0 # same seed, same prompts, same batch size -> same completions
-    seeding: str = "row" # vLLM: 'row' (request i seeded seed + i: a row's completion does not depend on its batch) or
-    #                      'call' (the engine's generator seeded once per call: one noise kernel a decoding step)
 
     def __post_init__(self):
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -38,7 +34,6 @@ class SamplingConfig:
         if self.top_k is None: self.top_k = 0
         if self.top_k < 0: raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_new_tokens < 1: raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.seeding not in SEEDINGS: raise ValueError(f"seeding must be one of {SEEDINGS}, got {self.seeding!r}")
 
     @property
     def greedy(self) -> bool: return self.temperature == 0
@@ -226,8 +221,7 @@ def vllm_sampling_kwargs(sampling: SamplingConfig, # sampling settings
                          row: int = 0, # prompt index: the seed is sampling.seed + row
                         ) -> dict: # keyword arguments for vllm.SamplingParams
     "Map a `SamplingConfig` to `vllm.SamplingParams` keyword arguments."
-    seed = sampling.seed + row if sampling.seeding == "row" else None   # 'call': `VLLMRollout.generate` seeds
-    kw = dict(n=1, max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0 if logprobs else None,
+    kw = dict(n=1, max_tokens=sampling.max_new_tokens, seed=sampling.seed + row, logprobs=0 if logprobs else None,
               detokenize=False, skip_special_tokens=False)
     if sampling.greedy: kw.update(temperature=0.0, top_p=1.0, top_k=-1)
     else: kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1)
@@ -265,9 +259,6 @@ def _vllm_model(llm):
 
 def _rpc_load_weights(worker, weights):  # runs on a vLLM worker
     worker.model_runner.model.load_weights(weights=weights)
-
-def _rpc_manual_seed(worker, seed):  # runs on a vLLM worker: the generator its sampler draws unseeded requests from
-    torch.cuda.manual_seed(seed)
 
 def _rpc_reload_weights(worker, weights):  # runs on a vLLM worker: checkpoint-format weights, quantized again in place
     worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
@@ -421,8 +412,6 @@ class VLLMRollout:
         self.wake_up()
         self.warm_sampler(sampling, pad_token=prompts[0][0])
         params = [self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling, logprobs, i)) for i in range(len(prompts))]
-        if sampling.seeding == "call" and not sampling.greedy:
-            self.llm.collective_rpc(_rpc_manual_seed, args=(sampling.seed,))
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=self.progress)
         secs = time.perf_counter() - t0

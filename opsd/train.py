@@ -17,7 +17,7 @@ from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, norma
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_frame
 from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_problems, check_context, model_context
 from .collate import collate, batch_logits, trim_at_eos, PAD_MODES
-from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend, SEEDINGS
+from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
 from .kernels import KERNELS, apply_kernels
 from .packing import pack, packed_logits, use_packed_attention
@@ -98,8 +98,6 @@ class OPSDConfig:
     sample_temperature: float = 1.1
     top_p: float = 0.95
     sample_top_k: int = 20
-    sample_seeding: str = "row"  # vLLM: 'row' (one seed per prompt, a generator each) or 'call' (one seed per step:
-    #                              the same distribution, one noise kernel per decoding step; rows depend on the batch)
     rollout: str = "auto"  # 'auto' (vLLM on CUDA when installed, else HF), 'hf' or 'vllm'
     vllm_memory: float = 0.3  # vLLM's share of GPU memory (weights + KV cache), colocated with training
     vllm_sleep: bool = True  # vLLM sleeps (frees its memory) during the training phase of each step
@@ -116,7 +114,8 @@ class OPSDConfig:
     #                               no gain on the H200, 5.65 vs 5.61 s a step)
     async_carveout: int = 0  # async_rollout on CUDA: SMs that training's cuBLAS GEMMs leave free while the rollout runs
     #                          (`sm_carveout`; 32 on the H200: 4.88 vs 4.99 s a step, one run: off by default)
-    async_switch_ms: float = 1.0  # async_rollout: the GIL switch interval while both threads run (Python's: 5)
+    async_switch_ms: float = 1.0  # async_rollout: the GIL switch interval while both threads run (Python's: 5;
+    #                                0.2 on the H200: no visible gain, one run on a slow machine)
     # prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)
     # logging
@@ -126,7 +125,7 @@ class OPSDConfig:
         for f in dataclasses.fields(self): setattr(self, f.name, _check_type(f, getattr(self, f.name)))
         checks = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=PAD_MODES, scheduler=SCHEDULERS,
                       objective=OBJECTIVES, rollout=ROLLOUTS, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES,
-                      fused_kernel=FUSED_KERNEL_MODES, kernels=KERNELS, sample_seeding=SEEDINGS,
+                      fused_kernel=FUSED_KERNEL_MODES, kernels=KERNELS,
                       rollout_quantization=(None, "fp8"), rollout_kv_cache=("auto", "fp8"))
         for k, allowed in checks.items():
             if getattr(self, k) not in allowed:
@@ -179,6 +178,10 @@ class OPSDConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "OPSDConfig":
         known = {f.name for f in dataclasses.fields(cls)}
+        if d.get("sample_seeding", "row") != "row":   # a field of 2026-12-04/05, removed: see 05_rollout, Seeding
+            raise ValueError(f"{source}: config field sample_seeding={d['sample_seeding']!r} was removed (its seed did "
+                             "not repeat on vLLM); every request is seeded seed + i, as 'row' was")
+        d = {k: v for k, v in d.items() if k != "sample_seeding"}   # 'row', written by runs of those days: today's way
         unknown = sorted(set(d) - known)
         if unknown: raise ValueError(f"{source}: unknown config field(s) {unknown}; known: {sorted(known)}")
         try: return cls(**d)
@@ -540,7 +543,6 @@ class OPSDTrainer:
         self.scheduler = _scheduler(self.optimizer, cfg)                   # stepped once per optimizer step by us
         self.teacher = Teacher(self.unwrapped, cfg.teacher, cfg.ema_decay, cfg.ema_start)
         self.sampling = SamplingConfig(temperature=cfg.sample_temperature, top_p=cfg.top_p, top_k=cfg.sample_top_k,
-                                       seeding=cfg.sample_seeding,
                                        max_new_tokens=cfg.max_completion_length, seed=cfg.seed)
         if rollout is not None and engine_settings(rollout) != engine_settings(cfg):
             raise ValueError(f"the given rollout engine samples with {engine_settings(rollout)}, this config with "

@@ -300,8 +300,8 @@ def test_async_with_vllm_samples_from_two_updates_back(tmp_path):
     overlapped step there (bench/h200-2026-12-03-speed/run1-all). Break to try: syncing theta_t before the rollout of
     step t+1 is joined (step 3 then trains on theta_2's samples). With async_priority and async_carveout on, it also
     checks that vLLM adopted `engine_stream`'s high-priority stream, that training's stream is below it, and that the
-    carveout held only while training ran. Those three checks were added after the last GPU session ended early:
-    not yet run on a GPU."""
+    carveout held only while training ran. Those three checks passed on the H200 on 2026-12-05
+    (bench/h200-2026-12-05-seeds/test_async_vllm.log)."""
     pytest.importorskip("vllm")
     import sys
     r = subprocess.run([sys.executable, "-c", VLLM_ASYNC_CHILD, str(tmp_path)], capture_output=True, text=True,

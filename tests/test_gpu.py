@@ -109,20 +109,6 @@ def test_seeded_sampling_repeats(setup):
     assert a != c
 
 
-def test_call_seeding_repeats_and_is_one_generator(setup):
-    """`seeding='call'`: the requests carry no seed of their own (one noise kernel a decoding step instead of one
-    generator per request); the engine's generator is seeded once per call. The same seed repeats, another differs,
-    and so does row seeding with the same seed (other random numbers, the same distribution)."""
-    ro = setup["ro"]
-    ro.sync_weights(setup["student"])
-    kw = dict(temperature=1.1, top_p=0.95, top_k=20, max_new_tokens=32)
-    call = [ro.generate(setup["prompts"], SamplingConfig(**kw, seed=s, seeding="call")).completion_ids
-            for s in (5, 5, 6)]
-    row = ro.generate(setup["prompts"], SamplingConfig(**kw, seed=5)).completion_ids
-    assert call[0] == call[1]
-    assert call[0] != call[2] and call[0] != row
-
-
 def test_sleep_and_sync(setup):
     ro, student = setup["ro"], setup["student"]
     sc = SamplingConfig(temperature=0, max_new_tokens=24)

@@ -191,14 +191,15 @@ def test_vllm_env_keeps_user_settings(monkeypatch):
 # the vLLM checks on a GPU are in tests/test_gpu.py
 
 
-def test_call_seeding_asks_vllm_for_no_row_seeds(tmp_path):
-    """`seeding='call'` gives vLLM requests without a seed (vLLM then draws all rows' noise with one kernel; the
-    rollout seeds the engine's generator once per call), `'row'` one seed per prompt; a bad value names the field."""
+def test_each_vllm_request_is_seeded_and_the_removed_seeding_field_is_read(tmp_path):
+    """Request i carries the seed seed + i (a row's completion does not depend on its batch). Run configs written while
+    `sample_seeding` existed (2026-12-04/05) hold `sample_seeding: 'row'`: they still load, as today's way; `'call'`
+    (removed: its seed did not repeat on vLLM) is refused with the field named. Break that made it fail: the field
+    not dropped before the unknown-field check."""
     from opsd.rollout import SamplingConfig, vllm_sampling_kwargs
-    assert [vllm_sampling_kwargs(SamplingConfig(seed=3), row=r)["seed"] for r in (0, 1)] == [3, 4]
-    assert vllm_sampling_kwargs(SamplingConfig(seed=3, seeding="call"), row=1)["seed"] is None
-    with pytest.raises(ValueError, match="seeding must be one of"):
-        SamplingConfig(seeding="batch")
     from opsd.train import OPSDConfig
-    with pytest.raises(ValueError, match="sample_seeding='batch'"):
-        OPSDConfig.toy(run_dir=str(tmp_path), sample_seeding="batch")
+    assert [vllm_sampling_kwargs(SamplingConfig(seed=3), row=r)["seed"] for r in (0, 1)] == [3, 4]
+    d = OPSDConfig.toy(run_dir=str(tmp_path)).to_dict()
+    assert OPSDConfig.from_dict({**d, "sample_seeding": "row"}) == OPSDConfig.from_dict(d)
+    with pytest.raises(ValueError, match="sample_seeding='call' was removed"):
+        OPSDConfig.from_dict({**d, "sample_seeding": "call"}, source="runs/x/config.json")

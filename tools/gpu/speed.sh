@@ -8,8 +8,8 @@
 #   stall   pytest tests/test_gpu_stall.py (needs the smollm2 set too; about 2-3 minutes)
 #   async   e2e with ASYNC_VARIANTS (time box LIMIT - 100 s), then the CUDA tests of tests/test_async.py (HF, vLLM)
 #   packed  e2e with PACKED_VARIANTS (time box LIMIT - 60 s), then the CUDA tests of tests/test_packing.py (flash varlen)
-#   seeds   e2e with SEED_VARIANTS (every row with one seed per step, sample_seeding='call'), then the vLLM seeding
-#           and fp8 tests of tests/test_gpu.py (time box LIMIT - 200 s for the bench)
+#   switch  e2e with SWITCH_VARIANTS (the fastest async row, with a 0.2 ms GIL switch), then the vLLM seeding and fp8
+#           tests of tests/test_gpu.py (time box LIMIT - 200 s for the bench)
 #   fp8     e2e with the fp8-rollout async packed row (a departure; its own process), then tests/test_async.py on CUDA
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
@@ -56,11 +56,10 @@ ASYNC_VARIANTS="released,opsd best + liger,opsd best + kernels + async,opsd best
 ASYNC_VARIANTS="$ASYNC_VARIANTS,opsd best + kernels + async (carveout 32)"
 PACKED_VARIANTS="released,opsd best + liger,opsd best + liger + packed,opsd best + kernels + async"
 PACKED_VARIANTS="$PACKED_VARIANTS,opsd best + kernels + async + packed"
-SEED_VARIANTS="released (call seeds),opsd best + liger + async + packed (call seeds)"
-SEED_VARIANTS="$SEED_VARIANTS,opsd best + liger + async + packed (switch 0.2 ms) (call seeds),released"
+SWITCH_VARIANTS="released,opsd best + liger + async + packed,opsd best + liger + async + packed (switch 0.2 ms)"
 case ${1:-} in
-seeds)
-  liger; VARIANTS=${VARIANTS:-$SEED_VARIANTS} RESERVE=200 e2e   # the fp8 test starts two engines of its own
+switch)
+  liger; VARIANTS=${VARIANTS:-$SWITCH_VARIANTS} RESERVE=200 e2e   # the fp8 test starts two engines of its own
   timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q -rs tests/test_gpu.py \
     -k "seeding or seeded or fp8" -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu_seeding.log" | tail -4
   ;;
