@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 18 (speed) on one H200, after the vllm and opsd sets are unpacked into /tmp/site (tools/gpu/README.md) and with
-# .gpu-carry/extra carried (it holds liger_kernel-0.8.5-py3-none-any.whl). Usage: bash tools/gpu/speed.sh PHASE
+# .gpu-carry/extra carried (wheels of liger-kernel 0.8.5, compressed-tensors 0.17.0, loguru, fastcore). Usage: bash tools/gpu/speed.sh PHASE
 #   all     (one device call, <= 9 minutes) install Liger-Kernel, `python -m opsd.bench e2e --steps 4 --warmup 1` with
 #           E2E_DEFAULT's seven variants (time box: LIMIT - 130 s from the start), then the GPU checks of tests/test_kernels.py
 #   tests   only the GPU checks of tests/test_kernels.py
@@ -20,11 +20,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/w
 T_START=$(date +%s)
 MODEL=/tmp/w/qwen3-1.7b-random
 
-liger() {
-  python3 -c "import liger_kernel" 2>/dev/null && return 0
-  whl=$(ls .gpu-carry/extra/liger_kernel-0.8.5-*.whl 2>/dev/null | head -1)
-  if [ -z "$whl" ]; then echo "no Liger wheel in .gpu-carry/extra: the liger variant and test will report it"; return 0; fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl" 2>&1 | grep -v "^WARNING" | tail -2
+liger() {   # every wheel in .gpu-carry/extra (Liger-Kernel; compressed-tensors and loguru, which vLLM's fp8 path imports)
+  python3 -c "import liger_kernel, compressed_tensors" 2>/dev/null && return 0
+  whls=$(ls .gpu-carry/extra/*.whl 2>/dev/null)
+  if [ -z "$whls" ]; then echo "no wheels in .gpu-carry/extra: the liger and fp8 variants and tests will report it"; return 0; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $whls 2>&1 | grep -v "^WARNING" | tail -2
   python3 -c "import liger_kernel, torch, triton; print('liger-kernel installed; torch', torch.__version__, 'triton', triton.__version__)"
 }
 
@@ -61,7 +61,7 @@ case ${1:-} in
 switch)
   liger; VARIANTS=${VARIANTS:-$SWITCH_VARIANTS} RESERVE=200 e2e   # the fp8 test starts two engines of its own
   timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q -rs tests/test_gpu.py \
-    -k "seeding or seeded or fp8" -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu_seeding.log" | tail -4
+    -k "seeded or fp8" -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu_seeding.log" | tail -4
   ;;
 packed)
   liger; VARIANTS=${VARIANTS:-$PACKED_VARIANTS} RESERVE=60 e2e
