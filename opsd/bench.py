@@ -13,12 +13,12 @@ from .diagnostics import clip_diagnostics
 from .fused import fused_divergence, bf16_case, grad_error
 
 # %% auto #0
-__all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'FP8_ROLLOUT', 'E2E_DEFAULT', 'SETUP', 'sync', 'time_fn',
-           'cuda_peak_extra', 'rss_bytes', 'reset_peak_rss', 'max_rss_bytes', 'naive_loss', 'run_loss_variant',
-           'reference_grad', 'loss_bench_cpu', 'loss_bench_cuda', 'format_table', 'loss_table',
+__all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'FP8_ROLLOUT', 'E2E_DEFAULT', 'SETUP', 'TARGETS', 'sync',
+           'time_fn', 'cuda_peak_extra', 'rss_bytes', 'reset_peak_rss', 'max_rss_bytes', 'naive_loss',
+           'run_loss_variant', 'reference_grad', 'loss_bench_cpu', 'loss_bench_cuda', 'format_table', 'loss_table',
            'random_qwen3_checkpoint', 'bench_problems', 'rollout_bench', 'rollout_table', 'cut_completions',
-           'spread_lengths', 'e2e_bench', 'baseline_drift', 'e2e_table', 'overlap_table', 'e2e_report', 'floors_table',
-           'model_costs', 'phase_floors', 'device_rates', 'main']
+           'spread_lengths', 'e2e_bench', 'baseline_drift', 'e2e_table', 'overlap_table', 'targets_table', 'e2e_report',
+           'floors_table', 'model_costs', 'phase_floors', 'device_rates', 'main']
 
 # %% ../nbs/12_bench.ipynb #f44ed421
 def sync(device) -> None:
@@ -492,6 +492,10 @@ def _baseline(rows: list[dict]) -> list[dict]:
     "The first row and its repeat at the end of the run (`e2e_bench(bracket=True)`), when there is one."
     return [r for r in rows if r is rows[0] or r.get("again_of") == rows[0]["variant"]]
 
+def _base_rate(rows: list[dict]) -> float | None:
+    "The baseline's tokens/s: the faster of its two measurements (a baseline slowed by the machine inflates nothing)."
+    return max((r["tokens_per_s"] for r in _baseline(rows) if r.get("tokens_per_s")), default=None)
+
 def baseline_drift(rows: list[dict]) -> str | None:
     "One line on the two measurements of the first variant: their s/step and how far apart they are."
     b = [r.get("s_per_step") for r in _baseline(rows)]
@@ -503,7 +507,7 @@ def e2e_table(rows: list[dict]) -> str:
     """Markdown table of e2e rows, phases against their floors, and tokens/s relative to the first (released) row:
     the faster of its two measurements when the run measured it again at the end, so that a baseline slowed by the
     machine cannot inflate a speedup."""
-    base = max((r["tokens_per_s"] for r in _baseline(rows) if r.get("tokens_per_s")), default=None)
+    base = _base_rate(rows)
     out = [{**r, "ratio": r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None,
             "range": f"{r['step_min']:.2f}-{r['step_max']:.2f}" if r.get("step_min") is not None else None}
            for r in rows]
@@ -537,13 +541,44 @@ def overlap_table(rows: list[dict]) -> str:
                               ("saved_s", "saved s", ".2f"), ("shorter_s", "shorter half s", ".2f"),
                               ("hidden", "% of it hidden", ".0f")])
 
+TARGETS = dict(step_s=3.0, ratio=2.0, train_s=1.0)   # issue 18: s/step, tokens/s against released, training phase
+
+def targets_table(rows: list[dict], targets: dict = TARGETS) -> str:
+    """Issue 18's targets against this run's 'opsd best' rows with the released engine and sampling (no fp8 rollout):
+    the fastest step, the best tokens/s against the first row, the shortest synchronous training phase; each with
+    how far it is from its target (0 when met). The ratio's shortfall is in seconds a step: how much faster the
+    row's step must be to reach it."""
+    base = _base_rate(rows)
+    ours = [r for r in rows if r["variant"].startswith("opsd best") and not r.get("error") and
+            r.get("s_per_step") is not None and not r.get("again_of") and r.get("rollout_quantization") is None and
+            r.get("rollout_kv_cache", "auto") == "auto"]
+    if not ours: return ""
+    out = []
+    r = min(ours, key=lambda r: r["s_per_step"])
+    out.append(dict(target=f"s/step <= {targets['step_s']}", variant=r["variant"], value=f"{r['s_per_step']:.2f} s",
+                    short=max(r["s_per_step"] - targets["step_s"], 0.0)))
+    if base:
+        r = max(ours, key=lambda r: r["tokens_per_s"])
+        need = r["tokens"] / (targets["ratio"] * base)   # the s/step at which this row's tokens/s is ratio x base
+        out.append(dict(target=f"tokens/s >= {targets['ratio']}x {rows[0]['variant']}", variant=r["variant"],
+                        value=f"{r['tokens_per_s'] / base:.2f}x", short=max(r["s_per_step"] - need, 0.0)))
+    sync = [r for r in ours if not r.get("async_rollout") and r.get("train_s") is not None]
+    if sync:
+        r = min(sync, key=lambda r: r["train_s"])
+        out.append(dict(target=f"training phase <= {targets['train_s']} s", variant=r["variant"],
+                        value=f"{r['train_s']:.2f} s", short=max(r["train_s"] - targets["train_s"], 0.0)))
+    for o in out: o["met"] = "yes" if o["short"] == 0 else "no"
+    return format_table(out, [("target", "target (issue 18)", ""), ("variant", "best row", ""),
+                              ("value", "measured", ""), ("met", "met", ""), ("short", "short by s", ".2f")])
+
 def e2e_report(rows: list[dict]) -> str:
-    "What `python -m opsd.bench e2e` prints: the table, the baseline's drift, the overlap's share and the floors."
+    "What `python -m opsd.bench e2e` prints: the table, the baseline's drift, the targets, the overlap and the floors."
     cuts = sorted({r["cut"] for r in rows if r.get("cut")})
     cut = (f"completions cut to a share drawn from [{', '.join(map(str, cuts))}, 1] of their length (--cut): the "
            "engine generated the full length, so the rollout column is not a real model's; read the training phase"
            if cuts else "")
-    return "\n\n".join([e2e_table(rows), cut, baseline_drift(rows) or "", overlap_table(rows), floors_table(rows)])
+    return "\n\n".join([e2e_table(rows), cut, baseline_drift(rows) or "", targets_table(rows), overlap_table(rows),
+                        floors_table(rows)])
 
 def floors_table(rows: list[dict]) -> str:
     "The floors each row was compared with (seconds per step) and the device rates they assume."
