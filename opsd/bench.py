@@ -13,12 +13,13 @@ from .diagnostics import clip_diagnostics
 from .fused import fused_divergence, bf16_case, grad_error
 
 # %% auto #0
-__all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'FP8_ROLLOUT', 'E2E_DEFAULT', 'SETUP', 'TARGETS', 'sync',
-           'time_fn', 'cuda_peak_extra', 'rss_bytes', 'reset_peak_rss', 'max_rss_bytes', 'naive_loss',
-           'run_loss_variant', 'reference_grad', 'loss_bench_cpu', 'loss_bench_cuda', 'format_table', 'loss_table',
-           'random_qwen3_checkpoint', 'bench_problems', 'rollout_bench', 'rollout_table', 'cut_completions',
-           'spread_lengths', 'e2e_bench', 'baseline_drift', 'e2e_table', 'overlap_table', 'targets_table', 'e2e_report',
-           'floors_table', 'model_costs', 'phase_floors', 'device_rates', 'main']
+__all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'FP8_ROLLOUT', 'E2E_DEFAULT', 'SETUP', 'TARGETS',
+           'KERNEL_CLASSES', 'sync', 'time_fn', 'cuda_peak_extra', 'rss_bytes', 'reset_peak_rss', 'max_rss_bytes',
+           'naive_loss', 'run_loss_variant', 'reference_grad', 'loss_bench_cpu', 'loss_bench_cuda', 'format_table',
+           'loss_table', 'random_qwen3_checkpoint', 'bench_problems', 'rollout_bench', 'rollout_table',
+           'cut_completions', 'spread_lengths', 'e2e_bench', 'baseline_drift', 'e2e_table', 'overlap_table',
+           'targets_table', 'e2e_report', 'floors_table', 'kernel_breakdown', 'training_profile', 'profile_table',
+           'model_costs', 'phase_floors', 'device_rates', 'main']
 
 # %% ../nbs/12_bench.ipynb #f44ed421
 def sync(device) -> None:
@@ -412,6 +413,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
               jsonl=None, # append each variant's row to this file as soon as it is done
               bracket: bool = True, # measure the first variant again at the end (`baseline_drift`)
               cut: float | None = None, # cut completions to spread lengths (`spread_lengths(cut)`); None: as generated
+              profile: bool = False, # one more step per synchronous variant, its training half under torch.profiler
              ) -> list[dict]:
     "Median seconds per `OPSDTrainer.step` (rollout/train/sync/overlap), tok/s, peak memory, floors, per variant."
     import gc, tempfile, traceback
@@ -457,6 +459,8 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
                     shown = {k: m.get(k) for k in ("time/rollout", "time/rollout_wait", "time/overlap", "time/train",
                                                    "time/sync", "tokens", "loss") if k in m}
                     print(json.dumps(dict(variant=name, step=s, wall=round(wall, 3), **shown)), flush=True)
+                if profile and not over.get("async_rollout"):   # after the timed steps: they stay unprofiled
+                    with training_profile(tr, row.setdefault("profile", {})): tr.step(warmup + steps + 1)
             med = lambda k: (statistics.median(float(r[k]) for r in per)
                              if per and all(r.get(k) is not None for r in per) else None)
             peaks = [r["peak_gib"] for r in per if r["peak_gib"] is not None]
@@ -578,7 +582,7 @@ def e2e_report(rows: list[dict]) -> str:
            "engine generated the full length, so the rollout column is not a real model's; read the training phase"
            if cuts else "")
     return "\n\n".join([e2e_table(rows), cut, baseline_drift(rows) or "", targets_table(rows), overlap_table(rows),
-                        floors_table(rows)])
+                        profile_table(rows), floors_table(rows)])
 
 def floors_table(rows: list[dict]) -> str:
     "The floors each row was compared with (seconds per step) and the device rates they assume."
@@ -586,6 +590,59 @@ def floors_table(rows: list[dict]) -> str:
                                ("train_floor_s", "train floor s", ".2f"), ("sync_floor_s", "sync floor s", ".3f"),
                                ("step_floor_s", "step floor s", ".2f"), ("train_tflop", "train TFLOP", ".0f"),
                                ("gemm_tflops", "GEMM TFLOP/s", ".0f"), ("mem_gbps", "memory GB/s", ".0f")])
+
+# %% ../nbs/12_bench.ipynb #5e0c2a92
+KERNEL_CLASSES = (("attention", r"flash|fmha|attention|varlen|sdpa"),
+                  ("GEMM", r"gemm|gemv|cutlass|xmma|nvjet|cublas|aten::mm$|aten::addmm|aten::bmm|aten::baddbmm"),
+                  ("ATen elementwise + copy", r"at::native|at::|aten::|elementwise|vectorized|reduce|Memcpy|Memset"))
+
+def kernel_breakdown(prof, cuda: bool) -> dict:
+    """Seconds of self time per `KERNEL_CLASSES` class (and 'Triton + other') in a finished `torch.profiler.profile`:
+    CUDA kernels on a GPU; on a CPU ATen's operators, which do the work there (the autograd wrappers are left out: the
+    backward call's own span, on the calling thread, covers the engine thread's operators and would count them twice)."""
+    import re
+    from torch.autograd import DeviceType
+    out = {k: 0.0 for k, _ in KERNEL_CLASSES} | {"Triton + other": 0.0}
+    for e in prof.key_averages():
+        if (e.device_type != DeviceType.CUDA) if cuda else not e.key.startswith("aten::"): continue
+        t = (getattr(e, "self_device_time_total", 0) if cuda else getattr(e, "self_cpu_time_total", 0)) / 1e6
+        if t <= 0: continue
+        k = next((k for k, pat in KERNEL_CLASSES if re.search(pat, e.key, re.I)), "Triton + other")
+        out[k] += t
+    return out
+
+@contextmanager
+def training_profile(tr, into: dict):
+    """Profile the training half (`backward_all` + `update`) of the steps run inside: fills `into` with `wall_s` (under
+    the profiler), `kernels_s` (their sum), `gap_s` and the classes of `kernel_breakdown`."""
+    from torch.profiler import profile, ProfilerActivity
+    cuda = tr.acc.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    back, upd, spans, parts = tr.backward_all, tr.update, [], []
+    def timed(fn):   # each call under its own profiler: the rollout and the sync between them stay out
+        def run(*a, **k):
+            with profile(activities=acts) as prof:
+                if cuda: torch.cuda.synchronize()
+                t = time.perf_counter(); out = fn(*a, **k)
+                if cuda: torch.cuda.synchronize()
+                spans.append(time.perf_counter() - t)
+            parts.append(kernel_breakdown(prof, cuda)); return out
+        return run
+    tr.backward_all, tr.update = timed(back), timed(upd)
+    try: yield into
+    finally: del tr.backward_all, tr.update     # the class's methods again
+    classes = {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
+    into.update(wall_s=sum(spans), kernels_s=sum(classes.values()), **classes)
+    into["gap_s"] = into["wall_s"] - into["kernels_s"]
+
+def profile_table(rows: list[dict]) -> str:
+    "The training half of each profiled row: its time under the profiler, the kernels' time by class, the gaps."
+    out = [dict(variant=r["variant"], **r["profile"]) for r in rows if r.get("profile")]
+    if not out: return ""
+    cols = [("variant", "variant (one step, training half, under torch.profiler)", ""), ("wall_s", "wall s", ".2f"),
+            ("kernels_s", "kernels s", ".2f"), ("gap_s", "gaps s", ".2f")]
+    return format_table(out, cols + [(k, f"{k} s", ".2f") for k, _ in KERNEL_CLASSES] +
+                        [("Triton + other", "Triton + other s", ".2f")])
 
 # %% ../nbs/12_bench.ipynb #3ec34fa4
 def model_costs(config, # a transformers config of a Llama/Qwen3-shaped decoder
@@ -673,6 +730,8 @@ def main(argv=None):
     p.add_argument("--cut", type=float, default=None,
                    help="e2e: cut each completion to a share drawn from [CUT, 1] of its length (spread lengths, as a "
                         "real model's that stop at EOS; read the training phase)")
+    p.add_argument("--profile", action="store_true",
+                   help="e2e: one more step per synchronous variant with its training half under torch.profiler")
     p.add_argument("--rollout", "--backend", dest="rollout", default="auto", choices=["auto", "hf", "vllm"])
     p.add_argument("--vllm-memory", type=float, default=None)
     p.add_argument("--batches", default="32,128", help="rollout: batch sizes")
@@ -700,7 +759,7 @@ def main(argv=None):
         if unknown: raise SystemExit(f"unknown e2e variants {sorted(unknown)}; known: {list(E2E_VARIANTS)}")
         rows = e2e_bench(_bench_model(a), {n: E2E_VARIANTS[n] for n in names}, steps=a.steps, warmup=a.warmup,
                          rollout=a.rollout, vllm_memory=a.vllm_memory or 0.3, jsonl=a.jsonl,
-                         bracket=not a.no_bracket, cut=a.cut)
+                         bracket=not a.no_bracket, cut=a.cut, profile=a.profile)
         table = e2e_report(rows)
     else:
         if not cuda: raise SystemExit("rollout needs a CUDA device (Qwen3-1.7B's shape)")

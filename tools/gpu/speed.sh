@@ -4,7 +4,8 @@
 #   all     (one device call, <= 9 minutes) install Liger-Kernel, `python -m opsd.bench e2e --steps 4 --warmup 1` with
 #           E2E_DEFAULT's seven variants (time box: LIMIT - 130 s from the start), then the GPU checks of tests/test_kernels.py
 #   tests   only the GPU checks of tests/test_kernels.py
-#   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4, CUT=0.125 for completions of spread lengths)
+#   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4, CUT=0.125 for completions of spread lengths,
+#           PROFILE=1 for the kernels of each synchronous variant's training half)
 #   stall   pytest tests/test_gpu_stall.py (needs the smollm2 set too; about 2-3 minutes)
 #   async   e2e with ASYNC_VARIANTS (time box LIMIT - 100 s), then the CUDA tests of tests/test_async.py (HF, vLLM)
 #   packed  e2e with PACKED_VARIANTS (time box LIMIT - 60 s), then the CUDA tests of tests/test_packing.py (flash varlen)
@@ -41,6 +42,7 @@ e2e() {
   left=$(( ${LIMIT:-530} - ${RESERVE:-0} - ($(date +%s) - T_START) ))
   cmd="python3 -m opsd.bench e2e --model $MODEL --steps ${STEPS:-4} --warmup 1 --jsonl $OUT/e2e_speed.jsonl --out $OUT/e2e_speed.json"
   cmd="$cmd${CUT:+ --cut $CUT}"   # CUT=0.125: completions of spread lengths (the training phase as with a real model)
+  cmd="$cmd${PROFILE:+ --profile}"   # PROFILE=1: one more step per synchronous variant, training half under torch.profiler
   echo "+ $cmd ${VARIANTS:+--variants \"$VARIANTS\"}   (time box ${left} s)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   t0=$(date +%s)
@@ -102,5 +104,5 @@ stall)
     | grep -E "rollout seconds|per step|passed|failed|Error|assert" | tail -8
   echo "stall test wall $(( $(date +%s) - t0 )) s"
   ;;
-*) sed -n 2,14p "$0"; exit 2 ;;
+*) sed -n 2,15p "$0"; exit 2 ;;
 esac
