@@ -22,8 +22,9 @@ class Packed:
     cu_seqlens: torch.Tensor  # (B + 1,) int32: where each row starts in the sequence, then T
     max_len: int  # the longest row
     source: torch.Tensor  # (N,) long: the sequence positions whose next-token logits predict the completion tokens
-    target: torch.Tensor  # (B, L) bool: where those N predictions sit in the completion layout (row-major order)
-    index: torch.Tensor  # (N,) long: the same places as flat indices into B * L (no boolean indexing on the GPU)
+    shape: tuple  # (B, L): the completion layout of the padded batch
+    index: torch.Tensor  # (N,) long: where those N predictions sit in it, as flat row-major indices (no boolean mask
+    #                      indexing on the GPU, which would wait for the host)
 
     def inputs(self) -> dict:
         "Keyword arguments of the model call; the packed attention reads `cu_seq_lens_*` and `max_length_*`."
@@ -34,8 +35,8 @@ class Packed:
     def spread(self, x: torch.Tensor, # (N, ...) one value per completion token, in `source` order
               ) -> torch.Tensor: # (B, L, ...) zeros where a row has no completion token
         "Per-token values back into the completion layout of the padded batch."
-        out = x.new_zeros(self.target.numel(), *x.shape[1:]).index_copy(0, self.index, x)   # a long index: no sync
-        return out.view(*self.target.shape, *x.shape[1:])
+        out = x.new_zeros(self.shape[0] * self.shape[1], *x.shape[1:]).index_copy(0, self.index, x)
+        return out.view(*self.shape, *x.shape[1:])
 
     def to(self, device) -> "Packed":
         "A copy with every tensor on `device`."
@@ -65,7 +66,7 @@ def pack(batch: OPSDBatch, # an aligned micro-batch from `collate`
     source = at.reshape(B, W)[:, W - L - 1:W - 1][target]             # each predicted one column earlier
     if (source < 0).any(): raise ValueError(f"{who}: a completion token follows a pad column")
     return Packed(ids.reshape(-1)[keep][None], pos.reshape(-1)[keep][None], starts.to(torch.int32), int(lens.max()),
-                  source, target, target.reshape(-1).nonzero().squeeze(1)).to(inp["input_ids"].device)
+                  source, (B, L), target.reshape(-1).nonzero().squeeze(1)).to(inp["input_ids"].device)
 
 # %% ../nbs/05f_packing.ipynb #pk125bca
 def varlen_reference(q: torch.Tensor, # (T, Hq, D) queries of the packed sequence
