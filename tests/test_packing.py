@@ -96,14 +96,14 @@ def test_flash_varlen_matches_reference_on_cuda(dtype):
 
 
 @pytest.mark.skipif(not CUDA, reason="the packed step on the flash kernel needs CUDA")
-def test_packed_step_on_cuda_is_close(tmp_path_factory, toy_problems, tmp_path):
+def test_packed_step_on_cuda_is_close(tmp_path_factory, toy_problems, tmp_path, monkeypatch):
     """The trainer's packed step on CUDA in bfloat16 (flash varlen: head_dim 16, a multiple of 8) against its padded
     step (sdpa): loss and true KL within bf16 noise, the same token count; the flash kernel really ran."""
     from conftest import _tiny_qwen3
     import opsd.packing as P
     ckpt = _tiny_qwen3(tmp_path_factory, "varlen-qwen3", seed=1, initializer_range=0.2, hidden_size=64, head_dim=16)
     calls, flash = [], P.flash_varlen
-    P.flash_varlen = lambda *a, **k: calls.append(1) or flash(*a, **k)
+    monkeypatch.setattr(P, "flash_varlen", lambda *a, **k: calls.append(1) or flash(*a, **k))   # undone after, always
     cut = [12, 2, 9, 1, 11, 3, 2, 10]
     rows = {}
     for packed in (False, True):
@@ -111,7 +111,6 @@ def test_packed_step_on_cuda_is_close(tmp_path_factory, toy_problems, tmp_path):
                              micro_batch_size=4, max_completion_length=12, padding="aligned", log_positions=0,
                              dtype="bfloat16", packed=packed, rollout="hf")
         rows[packed] = _step_cut(OPSDTrainer(cfg, toy_problems, progress=False), cut)
-    P.flash_varlen = flash
     assert calls, "the packed step did not reach torch's flash varlen kernel"
     assert rows[True]["tokens"] == rows[False]["tokens"] == sum(cut)
     for k in ("loss", "kl/true"):
