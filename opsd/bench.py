@@ -368,6 +368,10 @@ E2E_VARIANTS["opsd best + kernels + async + packed"] = dict(E2E_VARIANTS["opsd b
 E2E_VARIANTS["opsd best + liger + async + packed"] = dict(E2E_VARIANTS["opsd best + liger + packed"], async_rollout=True)
 E2E_VARIANTS["opsd best + liger + async + packed (switch 0.2 ms)"] = dict(E2E_VARIANTS["opsd best + liger + async + packed"],
                                                                          async_switch_ms=0.2)
+# training's every kernel on N SMs (a CUDA green context, `async_sms`), the other SMs left to the engine's decoding
+for n in (64, 80, 96):
+    E2E_VARIANTS[f"opsd best + liger + async + packed (sms {n})"] = dict(E2E_VARIANTS["opsd best + liger + async + packed"],
+                                                                        async_sms=n)
 # a departure: the rollout samples from the student's weights quantized to fp8, with an fp8 KV cache (its own engine)
 FP8_ROLLOUT = dict(rollout_quantization="fp8", rollout_kv_cache="fp8")
 E2E_VARIANTS["opsd best + liger + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + liger"], **FP8_ROLLOUT)

@@ -30,7 +30,7 @@ __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUT
            'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
            'UpdateResult', 'Timings', 'rollout_engine_kw', 'engine_settings', 'OPSDTrainer', 'length_groups',
            'padded_share', 'config_differences', 'check_run_config', 'check_same_base', 'base_fingerprint', 'train',
-           'PendingRollout', 'TrainingJob', 'LaunchThrottle', 'sm_carveout']
+           'PendingRollout', 'TrainingJob', 'LaunchThrottle', 'sm_carveout', 'green_stream']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,6 +114,8 @@ class OPSDConfig:
     #                               no gain on the H200, 5.65 vs 5.61 s a step)
     async_carveout: int = 0  # async_rollout on CUDA: SMs that training's cuBLAS GEMMs leave free while the rollout runs
     #                          (`sm_carveout`; 32 on the H200: 4.88 vs 4.99 s a step, one run: off by default)
+    async_sms: int = 0  # async_rollout on CUDA: every kernel of training confined to this many SMs (a CUDA green
+    #                     context, `green_stream`; 0: all SMs, the default). Hopper splits SMs in groups of 8
     async_switch_ms: float = 1.0  # async_rollout: the GIL switch interval while both threads run (Python's: 5;
     #                                0.2 on the H200: no visible gain, one run on a slow machine)
     # prompts (overrides of opsd.data.PromptConfig fields)
@@ -134,7 +136,7 @@ class OPSDConfig:
                       max_completion_length=(1, None), lora_r=(1, None), fused_chunk=(1, None), warmup_steps=(0, None),
                       log_positions=(0, None), sample_top_k=(0, None), beta=(0, 1), checkpointing=(0, 1),
                       lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None), async_queue=(0, None),
-                      async_carveout=(0, None), async_switch_ms=(1e-3, 5.0))
+                      async_carveout=(0, None), async_sms=(0, None), async_switch_ms=(1e-3, 5.0))
         ranges.update(seed=(0, 2**32 - 1), cpu_threads=(0, None))   # seed: numpy's seeds are 32-bit
         for k, (lo, hi) in ranges.items():
             v = getattr(self, k)
@@ -553,7 +555,8 @@ class OPSDTrainer:
         apply_kernels(self.unwrapped, cfg.kernels)
         if cfg.packed: use_packed_attention(self.unwrapped)   # padded calls (generation, evaluation) are unchanged
         self.step_done, self.resumed_from = 0, None
-        self._pending, self._train_stream = None, None   # async_rollout: the next step's rollout; training's stream
+        # async_rollout: the next step's rollout; training's stream and its green context (async_sms)
+        self._pending, self._train_stream, self._train_ctx = None, None, None
 
     @property
     def unwrapped(self): return self.acc.unwrap_model(self.model)
@@ -1001,6 +1004,24 @@ def sm_carveout(n: int):
     try: yield
     finally: put(old)
 
+def green_stream(n: int, device) -> tuple:
+    """A CUDA stream whose kernels run on at most `n` of the GPU's SMs (a CUDA green context), so the other SMs stay
+    free for other streams' kernels. Returns (context, stream): the stream lives as long as the context. Where
+    `sm_carveout` binds only cuBLAS's GEMMs, this binds every kernel (attention, elementwise, Triton, the loss). CUDA
+    may round `n` up to its SM group size (8 on Hopper). Needs torch 2.9+ built for CUDA 12.8+."""
+    where = f"config field async_sms={n}"
+    idx = torch.device(device).index
+    try:
+        from torch.cuda.green_contexts import GreenContext
+        idx = torch.cuda.current_device() if idx is None else idx
+        # torch 2.9-2.13: GreenContext.create(num_sms=, device_id=); later releases construct it directly
+        ctx = (GreenContext.create(num_sms=n, device_id=idx) if hasattr(GreenContext, "create")
+               else GreenContext(num_sms=n, device_id=idx))
+        return ctx, ctx.Stream()
+    except (ImportError, RuntimeError, TypeError, AttributeError, AssertionError) as e:
+        raise RuntimeError(f"{where}: torch {torch.__version__} made no green context of {n} SMs on cuda:{idx} "
+                           f"({type(e).__name__}: {e}); set async_sms=0") from e
+
 def _lora_state(model) -> dict:
     from peft.utils import get_peft_model_state_dict
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
@@ -1011,7 +1032,9 @@ def launch_training(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> Trai
     import threading
     job, dev = TrainingJob(plan.step), self.acc.device
     cuda = dev.type == "cuda"
-    if cuda and self._train_stream is None:   # 0 is CUDA's lowest priority; else level with the engine's stream
+    if cuda and self._train_stream is None and self.cfg.async_sms:   # training's kernels on async_sms SMs only
+        self._train_ctx, self._train_stream = green_stream(self.cfg.async_sms, dev)
+    elif cuda and self._train_stream is None:   # 0 is CUDA's lowest priority; else level with the engine's stream
         prio = 0 if self.cfg.async_priority else torch.cuda.current_stream(dev).priority
         self._train_stream = torch.cuda.Stream(dev, priority=prio)
     stream = self._train_stream if cuda else None
@@ -1061,8 +1084,10 @@ def _step_async(self: OPSDTrainer, step: int) -> dict:
         nxt.seconds = time.perf_counter() - r0
     if nxt is not None and not cuda: roll()   # CPU: in turn, the rollout first
     carve = self.cfg.async_carveout
-    if cuda and carve and carve >= (sms := torch.cuda.get_device_properties(dev).multi_processor_count):
-        raise ValueError(f"config field async_carveout={carve}: must be below the GPU's {sms} SMs")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else None
+    for k in ("async_carveout", "async_sms"):
+        if cuda and getattr(self.cfg, k) >= sms:
+            raise ValueError(f"config field {k}={getattr(self.cfg, k)}: must be below the GPU's {sms} SMs")
     switch = sys.getswitchinterval()
     sys.setswitchinterval(min(switch, self.cfg.async_switch_ms / 1000))   # CPU too: the same code path, tested there
     try:

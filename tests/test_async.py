@@ -230,15 +230,50 @@ def test_cli_set_async_rollout(tiny_ckpt, toy_data_file, tmp_path):
     assert (run / "checkpoints" / "step-2" / "rollout_adapter.safetensors").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without green contexts")
+def test_async_sms_refused_clearly_without_green_contexts(sharp_ckpt, toy_problems, tmp_path):
+    """`async_sms` below 0 is refused naming the field; where torch makes no green context (this CPU build), the error
+    of `green_stream` names the field and the fix. On CPU the async step ignores it, like the other CUDA levers.
+    Break that made it fail once: the error raised without the field's name."""
+    from opsd.train import green_stream
+    with pytest.raises(ValueError, match="async_sms"):
+        OPSDConfig.toy(async_sms=-8)
+    with pytest.raises(RuntimeError, match=r"config field async_sms=16: .*set async_sms=0"):
+        green_stream(16, "cuda:0")
+    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "sms", async_rollout=True, async_sms=16, steps=2)
+    assert [tr.step(s)["step"] for s in (1, 2)] == [1, 2] and tr._train_ctx is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_async_thread_on_cuda_same_samples_and_overlap(sharp_ckpt, toy_problems, tmp_path):
+def test_green_stream_confines_kernels_cuda():
+    """`green_stream(16)` really confines kernels: ten bf16 matmuls of 8192^2 take more than 3x as long on its stream
+    as on an ordinary one (132 SMs on the H200: about 8x expected). Break to try: return an ordinary stream."""
+    from opsd.train import green_stream
+    ctx, s16 = green_stream(16, "cuda")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def seconds(stream, reps=10):
+        import time
+        with torch.cuda.stream(stream):
+            a @ a; stream.synchronize(); t = time.perf_counter()
+            for _ in range(reps): a @ a
+            stream.synchronize(); return time.perf_counter() - t
+    full, green = seconds(torch.cuda.Stream()), seconds(s16)
+    assert green > 3 * full, (full, green)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sms", [0, 16])
+def test_async_thread_on_cuda_same_samples_and_overlap(sharp_ckpt, toy_problems, tmp_path, sms):
     """CUDA: the training of step t runs in a thread on its own stream while the main thread samples step t+1 (HF
     merged engine); the completions trained on equal the CPU semantics (a synchronous sample of step t from
     theta_{t-2}), and some rollout time is hidden under training. Break to try: `launch_training` running the work at
-    once on CUDA too (no overlap: time/overlap stays 0)."""
+    once on CUDA too (no overlap: time/overlap stays 0). With `async_sms=16` the training stream is a green context's
+    (16 SMs) and the same holds: the trainer's tensors cross between that stream and the main one correctly."""
     kw = dict(dtype="float32", batch_size=8, micro_batch_size=2, max_completion_length=32, lr=0.05, steps=4)
-    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "gpu", async_rollout=True, **kw)
+    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "gpu", async_rollout=True, async_sms=sms, **kw)
     assert tr.acc.device.type == "cuda"
     seen = record(tr)
     rows = [tr.step(s) for s in range(1, 5)]
@@ -247,6 +282,7 @@ def test_async_thread_on_cuda_same_samples_and_overlap(sharp_ckpt, toy_problems,
         set_peft_model_state_dict(ref.unwrapped, seen["theta"][max(t - 2, 0)]); ref.sync()
         assert seen["trained"][t - 1] == [list(c) for c in ref.sample(ref.plan(t)).comps], f"step {t}"
     assert sum(r["time/overlap"] for r in rows[:-1]) > 0
+    assert (tr._train_ctx is not None) == bool(sms)
 
 
 VLLM_ASYNC_CHILD = r'''

@@ -12,6 +12,8 @@
 #   switch  e2e with SWITCH_VARIANTS (the fastest async row, with a 0.2 ms GIL switch), then the vLLM seeding and fp8
 #           tests of tests/test_gpu.py (time box LIMIT - 200 s for the bench)
 #   fp8     e2e with the fp8-rollout async packed row (a departure; its own process), then tests/test_async.py on CUDA
+#   green   e2e with GREEN_VARIANTS (the fastest async row, then with training on 64/80/96 SMs of a green context;
+#           time box LIMIT - 100 s), then the green-context and HF async CUDA tests of tests/test_async.py
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
 # $OUT/e2e_speed.jsonl as each variant finishes, so a run cut by the time limit keeps the variants it finished.
@@ -59,7 +61,16 @@ ASYNC_VARIANTS="$ASYNC_VARIANTS,opsd best + kernels + async (carveout 32)"
 PACKED_VARIANTS="released,opsd best + liger,opsd best + liger + packed,opsd best + kernels + async"
 PACKED_VARIANTS="$PACKED_VARIANTS,opsd best + kernels + async + packed"
 SWITCH_VARIANTS="released,opsd best + liger + async + packed,opsd best + liger + async + packed (switch 0.2 ms)"
+GREEN_VARIANTS="released,opsd best + liger + async + packed,opsd best + liger + async + packed (sms 64)"
+GREEN_VARIANTS="$GREEN_VARIANTS,opsd best + liger + async + packed (sms 80),opsd best + liger + async + packed (sms 96)"
 case ${1:-} in
+green)
+  liger; VARIANTS=${VARIANTS:-$GREEN_VARIANTS} RESERVE=${RESERVE:-100} e2e
+  t0=$(date +%s)
+  timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q -rs tests/test_async.py \
+    -k "green or (cuda and not vllm)" -p no:cacheprovider 2>&1 | tee "$OUT/test_async_green.log" | tail -4
+  echo "test_async (green, HF CUDA) wall $(( $(date +%s) - t0 )) s"
+  ;;
 switch)
   liger; VARIANTS=${VARIANTS:-$SWITCH_VARIANTS} RESERVE=200 e2e   # the fp8 test starts two engines of its own
   timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q -rs tests/test_gpu.py \
