@@ -352,6 +352,8 @@ E2E_VARIANTS["opsd best + compile"] = dict(E2E_VARIANTS["opsd best"], kernels="c
 # micro-batches without pad columns, attention varlen inside each row (opsd.packing; flash varlen on CUDA)
 E2E_VARIANTS["opsd best + packed"] = dict(E2E_VARIANTS["opsd best"], packed=True)
 E2E_VARIANTS["opsd best + liger + packed"] = dict(E2E_VARIANTS["opsd best + liger"], packed=True)
+# each adapted projection's LoRA scale and add in one GEMM (kernels.fuse_lora, the config field `fused_lora`)
+E2E_VARIANTS["opsd best + liger + packed + fused lora"] = dict(E2E_VARIANTS["opsd best + liger + packed"], fused_lora=True)
 # the next step's rollout overlapped with this step's training (one step off-policy; the engine stays awake)
 E2E_VARIANTS["opsd best + async"] = dict(E2E_VARIANTS["opsd best"], async_rollout=True)
 # async with whichever of none/liger/compile took the fewest seconds a step earlier in the same run

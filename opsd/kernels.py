@@ -8,7 +8,8 @@ import inspect, types
 import torch
 
 # %% auto #0
-__all__ = ['KERNELS', 'LIGER_PIN', 'decoder_stack', 'with_globals', 'patch_modules', 'liger_patchers', 'apply_kernels']
+__all__ = ['KERNELS', 'LIGER_PIN', 'decoder_stack', 'with_globals', 'patch_modules', 'liger_patchers', 'fuse_lora',
+           'apply_kernels']
 
 # %% ../nbs/05e_kernels.ipynb #e05fae10
 KERNELS = ("none", "liger", "compile")
@@ -73,6 +74,40 @@ def liger_patchers() -> dict:
 
 # %% ../nbs/05e_kernels.ipynb #e81109d5
 from .repro import inductor_cache_per_isa   # one home (05a_repro): one Inductor cache folder per CPU ISA
+
+# %% ../nbs/05e_kernels.ipynb #f1a0c002
+def _lora_addmm(orig):
+    "A `forward` for one peft LoRA Linear: base + s·B(A(x)) as one addmm in the plain case, else peft's `orig`."
+    def forward(self, x, *args, **kwargs):
+        names = self.active_adapters
+        if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A:
+            return orig(x, *args, **kwargs)
+        n = names[0]
+        A, B, base = self.lora_A[n], self.lora_B[n], self.get_base_layer()
+        if (n in getattr(self, "lora_variant", {}) or getattr(self, "use_dora", {}).get(n) or B.bias is not None
+                or not isinstance(self.lora_dropout[n], torch.nn.Identity)):
+            return orig(x, *args, **kwargs)
+        # one dtype throughout, or autocast (the trainer's bf16 adapters: fp32 weights, bf16 GEMMs), which runs
+        # addmm in its low precision like the two Linears and casts its inputs as it casts theirs
+        if not (x.dtype == A.weight.dtype == B.weight.dtype == base.weight.dtype
+                or torch.is_autocast_enabled(x.device.type)):
+            return orig(x, *args, **kwargs)
+        y, h = base(x), A(x)
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.weight.t(), alpha=self.scaling[n])
+        return out.view(y.shape)
+    return forward
+
+def fuse_lora(model) -> int:
+    "Fold the scale and add of every peft LoRA Linear of this model instance into one GEMM; returns how many."
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    n = 0
+    for m in model.modules():
+        if type(m) is LoraLinear:   # exactly peft's: subclasses (quantized bases, ...) keep their own forward
+            _bind(m, "forward", _lora_addmm(types.MethodType(type(m).forward, m))); n += 1
+    if not n: raise ValueError(f"fused_lora=True: no peft LoRA Linear in {type(model).__name__}")
+    model.opsd_fused_lora = n
+    return n
+
 
 # %% ../nbs/05e_kernels.ipynb #07ea8b85
 def _check_liger(model):

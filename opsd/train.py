@@ -19,7 +19,7 @@ from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_pro
 from .collate import collate, batch_logits, trim_at_eos, PAD_MODES
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
-from .kernels import KERNELS, apply_kernels
+from .kernels import KERNELS, apply_kernels, fuse_lora
 from .packing import pack, packed_logits, use_packed_attention
 from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
 
@@ -71,6 +71,8 @@ class OPSDConfig:
     fused_chunk: int = 1024
     kernels: str = "none"  # the student's decoder layers: 'none', 'liger' (Liger-Kernel's RMSNorm/RoPE/SwiGLU) or
     #                        'compile' (torch.compile of each layer): opsd.kernels; measured in nbs/12_bench
+    fused_lora: bool = False  # each adapted projection's LoRA scale and add folded into one GEMM (opsd.kernels.fuse_lora;
+    #                           the same sum, rounded once; built, not yet measured on a GPU)
     fused_kernel: str = "auto"  # the fused chunk math: 'torch', 'triton' (one kernel; forward KL, full vocabulary)
     #                             or 'auto' (triton on CUDA where it applies)
     # LoRA
@@ -145,6 +147,8 @@ class OPSDConfig:
         for k in ("lr", "temperature", "lora_alpha"):
             if not getattr(self, k) > 0: raise ValueError(f"config field {k}={getattr(self, k)!r}: must be > 0")
         if not 0 < self.top_p <= 1: raise ValueError(f"config field top_p={self.top_p!r}: must be in (0, 1]")
+        if self.fused_lora and self.lora_dropout > 0:   # with dropout peft's own forward would run: nothing fused
+            raise ValueError(f"config field fused_lora=True needs lora_dropout=0 (it is {self.lora_dropout})")
         if not 0 < self.vllm_memory < 1:
             raise ValueError(f"config field vllm_memory={self.vllm_memory!r}: must be in (0, 1)")
         if not 0 <= self.ema_decay < 1:
@@ -553,6 +557,7 @@ class OPSDTrainer:
         if rollout is not None: self.sync()   # a shared engine may hold another run's student: load ours first
         # after the rollout is made: HFRollout copies the model, and a compiled copy would recompile under generate
         apply_kernels(self.unwrapped, cfg.kernels)
+        if cfg.fused_lora: fuse_lora(self.unwrapped)   # LoRA's scale and add in one GEMM (05e_kernels)
         if cfg.packed: use_packed_attention(self.unwrapped)   # padded calls (generation, evaluation) are unchanged
         self.step_done, self.resumed_from = 0, None
         # async_rollout: the next step's rollout; training's stream and its green context (async_sms)
