@@ -117,7 +117,8 @@ class OPSDConfig:
     async_carveout: int = 0  # async_rollout on CUDA: SMs that training's cuBLAS GEMMs leave free while the rollout runs
     #                          (`sm_carveout`; 32 on the H200: 4.88 vs 4.99 s a step, one run: off by default)
     async_sms: int = 0  # async_rollout on CUDA: every kernel of training confined to this many SMs (a CUDA green
-    #                     context, `green_stream`; 0: all SMs, the default). Hopper splits SMs in groups of 8
+    #                     context, `green_stream`; 0: all SMs, the default). Hopper splits SMs in groups of 8;
+    #                     the green context's stream replaces the one async_priority would set
     async_switch_ms: float = 1.0  # async_rollout: the GIL switch interval while both threads run (Python's: 5;
     #                                0.2 on the H200: no visible gain, one run on a slow machine)
     # prompts (overrides of opsd.data.PromptConfig fields)
