@@ -374,6 +374,13 @@ E2E_VARIANTS["opsd best + liger + async + packed (switch 0.2 ms)"] = dict(E2E_VA
 for n in (64, 80, 96):
     E2E_VARIANTS[f"opsd best + liger + async + packed (sms {n})"] = dict(E2E_VARIANTS["opsd best + liger + async + packed"],
                                                                         async_sms=n)
+# a departure: one engine call samples the completions of 2 or 4 steps, from the weights before the first of them
+# (`steps_per_rollout`; step t+i trains on completions i updates old): the weights' reads of a decoding step shared
+for k in (2, 4):
+    E2E_VARIANTS[f"opsd best + liger + packed ({k} steps per rollout)"] = dict(E2E_VARIANTS["opsd best + liger + packed"],
+                                                                             steps_per_rollout=k)
+E2E_VARIANTS["opsd best + liger + async + packed (2 steps per rollout)"] = dict(
+    E2E_VARIANTS["opsd best + liger + async + packed"], steps_per_rollout=2)
 # a departure: the rollout samples from the student's weights quantized to fp8, with an fp8 KV cache (its own engine)
 FP8_ROLLOUT = dict(rollout_quantization="fp8", rollout_kv_cache="fp8")
 E2E_VARIANTS["opsd best + liger + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + liger"], **FP8_ROLLOUT)
@@ -421,7 +428,9 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
               cut: float | None = None, # cut completions to spread lengths (`spread_lengths(cut)`); None: as generated
               profile: bool = False, # one more step per synchronous variant, its training half under torch.profiler
              ) -> list[dict]:
-    "Median seconds per `OPSDTrainer.step` (rollout/train/sync/overlap), tok/s, peak memory, floors, per variant."
+    """Median seconds per `OPSDTrainer.step` (rollout/train/sync/overlap), tok/s, peak memory, floors, per variant.
+    With `steps_per_rollout` k > 1 one step of each group samples and the others take their share, so warm-up and
+    timed steps are rounded up to whole groups and every number is a group's mean per step (median over groups)."""
     import gc, tempfile, traceback
     from opsd.train import OPSDConfig, OPSDTrainer, engine_settings
     variants = {n: E2E_VARIANTS[n] for n in E2E_DEFAULT} if variants is None else variants
@@ -451,31 +460,35 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
             engines.setdefault(key, tr.rollout)      # (the trainer applied cfg.kernels: the path `opsd train` runs)
             row["setup_s"] = time.perf_counter() - t0
             costs = costs or model_costs(tr.unwrapped.config, cfg.dtype)
-            per = []
+            per, k = [], cfg.steps_per_rollout
+            warm, timed = -(-warmup // k) * k, -(-steps // k) * k   # whole groups of k steps
+            row.update(warmup=warm, steps=timed)
             with cut_completions(tr.rollout, spread_lengths(cut)) if cut else nullcontext():   # `cut`: spread lengths
-                for s in range(1, warmup + steps + 1):
+                for s in range(1, warm + timed + 1):
                     if cuda: torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
                     t = time.perf_counter(); m = tr.step(s)
                     if cuda: torch.cuda.synchronize()
                     wall = time.perf_counter() - t
                     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-                    if s > warmup:
-                        fl = phase_floors(costs, rates, **_step_shapes(tr, s), completion_len=m["completion_len"])
+                    if s > warm:
+                        fl = phase_floors(costs, rates, **_step_shapes(tr, s), completion_len=m["completion_len"],
+                                          steps_per_rollout=k)
                         per.append(dict(m, wall=wall, peak_gib=peak, **fl))
                     shown = {k: m.get(k) for k in ("time/rollout", "time/rollout_wait", "time/overlap", "time/train",
                                                    "time/sync", "tokens", "loss") if k in m}
                     print(json.dumps(dict(variant=name, step=s, wall=round(wall, 3), **shown)), flush=True)
                 if profile and not over.get("async_rollout"):   # after the timed steps: they stay unprofiled
-                    with training_profile(tr, row.setdefault("profile", {})): tr.step(warmup + steps + 1)
-            med = lambda k: (statistics.median(float(r[k]) for r in per)
-                             if per and all(r.get(k) is not None for r in per) else None)
+                    with training_profile(tr, row.setdefault("profile", {})): tr.step(warm + timed + 1)
+            groups = [per[j:j + k] for j in range(0, len(per), k)]   # k = 1: every step its own group
+            med = lambda key: (statistics.median(statistics.fmean(float(r[key]) for r in g) for g in groups)
+                               if per and all(r.get(key) is not None for r in per) else None)
             peaks = [r["peak_gib"] for r in per if r["peak_gib"] is not None]
-            walls = [r["wall"] for r in per]   # the spread of single steps: is a difference of medians beyond it?
+            walls = [statistics.fmean(r["wall"] for r in g) for g in groups]   # single steps (k > 1: group means)
             row.update(step_min=min(walls, default=None), step_max=max(walls, default=None))
             row.update(s_per_step=med("wall"), rollout_s=med("time/rollout"), wait_s=med("time/rollout_wait"),
                        overlap_s=med("time/overlap"), train_s=med("time/train"), sync_s=med("time/sync"),
                        tokens=med("tokens"), completion_len=med("completion_len"), peak_gib=max(peaks, default=None),
-                       loss=med("loss"), kl=med("kl/true"), backend=type(tr.rollout).__name__,
+                       loss=med("loss"), kl=med("kl/true"), age=med("rollout_age"), backend=type(tr.rollout).__name__,
                        rollout_floor_s=med("rollout_floor_s"), train_floor_s=med("train_floor_s"),
                        sync_floor_s=med("sync_floor_s"), train_tflop=med("train_tflop"), **rates)
             row["tokens_per_s"] = row["tokens"] / row["s_per_step"] if row["tokens"] and row["s_per_step"] else None
@@ -527,6 +540,7 @@ def e2e_table(rows: list[dict]) -> str:
                               ("rollout_s", "rollout s", ".2f"), ("wait_s", "rollout wait s", ".2f"),
                               ("overlap_s", "overlap s", ".2f"), ("train_s", "train s", ".2f"),
                               ("sync_s", "sync s", ".3f"), ("other_s", "other s", ".2f"),
+                              ("age", "mean age", ".1f"),
                               ("tokens_per_s", "completion tok/s", ".0f"), ("ratio", "vs released", ".2f"),
                               ("peak_gib", "peak GiB", ".1f"), ("rollout_x_floor", "rollout / floor", ".1f"),
                               ("train_x_floor", "train / floor", ".1f"), ("step_x_floor", "step / floor", ".1f"),
@@ -577,9 +591,14 @@ def targets_table(rows: list[dict], targets: dict = TARGETS) -> str:
         r = min(sync, key=lambda r: r["train_s"])
         out.append(dict(target=f"training phase <= {targets['train_s']} s", variant=r["variant"],
                         value=f"{r['train_s']:.2f} s", short=max(r["train_s"] - targets["train_s"], 0.0)))
-    for o in out: o["met"] = "yes" if o["short"] == 0 else "no"
+    for o in out:
+        o["met"] = "yes" if o["short"] == 0 else "no"
+        r = next(r for r in ours if r["variant"] == o["variant"])
+        age = r.get("age", 1.0 if r.get("async_rollout") else 0.0)   # rows of runs before the age was logged
+        o["policy"] = "on-policy (the release)" if not age else f"off-policy: mean age {age:.1f} updates"
     return format_table(out, [("target", "target (issue 18)", ""), ("variant", "best row", ""),
-                              ("value", "measured", ""), ("met", "met", ""), ("short", "short by s", ".2f")])
+                              ("value", "measured", ""), ("met", "met", ""), ("short", "short by s", ".2f"),
+                              ("policy", "samples", "")])
 
 def e2e_report(rows: list[dict]) -> str:
     "What `python -m opsd.bench e2e` prints: the table, the baseline's drift, the targets, the overlap and the floors."
@@ -676,6 +695,7 @@ def phase_floors(c: dict, # `model_costs`
                  rates: dict, # gemm_tflops, mem_gbps (`device_rates`)
                  student_prompts: list[int], teacher_prompts: list[int], # prompt lengths of the step's rows
                  completion_len: float, # completion tokens per row (mean)
+                 steps_per_rollout: int = 1, # steps whose rows one engine call decodes together: their weight reads shared
                 ) -> dict:
     "Lower bounds in seconds of a step's rollout, training and weight sync, at the device's GEMM rate and bandwidth."
     C, flops_s, bw = float(completion_len), rates["gemm_tflops"] * 1e12, rates["mem_gbps"] * 1e9
@@ -690,10 +710,11 @@ def phase_floors(c: dict, # `model_costs`
     train += 3 * 2 * c["hidden"] * c["vocab"] * C * rows
     # rollout: each decoding step reads the weights once and every active row's KV cache; the prefill is compute
     kv_reads = c["kv_bytes_per_token"] * sum(C * p + C * (C + 1) / 2 for p in student_prompts)
-    decode = (C * c["decode_weight_bytes"] + kv_reads) / bw
+    decode = (C * c["decode_weight_bytes"] / steps_per_rollout + kv_reads) / bw
     prefill = sum(_fwd_flops(c, p) for p in student_prompts) / flops_s
     return dict(train_floor_s=train / flops_s, rollout_floor_s=decode + prefill,
-                sync_floor_s=2 * c["weight_bytes"] / bw,            # the merged weights read once and written once
+                # the merged weights read once and written once, once a group of steps_per_rollout steps
+                sync_floor_s=2 * c["weight_bytes"] / bw / steps_per_rollout,
                 train_tflop=train / 1e12)
 
 def device_rates(device="cuda", gemm: int | None = None, copy_mib: int | None = None, reps: int = 5) -> dict:

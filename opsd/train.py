@@ -27,10 +27,10 @@ from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_
 __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS',
            'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'OPSDConfig', 'read_yaml',
            'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
-           'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'BackwardResult',
-           'UpdateResult', 'Timings', 'rollout_engine_kw', 'engine_settings', 'OPSDTrainer', 'length_groups',
-           'padded_share', 'config_differences', 'check_run_config', 'check_same_base', 'base_fingerprint', 'train',
-           'PendingRollout', 'TrainingJob', 'LaunchThrottle', 'sm_carveout', 'green_stream']
+           'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'PendingRollout',
+           'BackwardResult', 'UpdateResult', 'Timings', 'rollout_engine_kw', 'engine_settings', 'OPSDTrainer',
+           'length_groups', 'padded_share', 'config_differences', 'check_run_config', 'check_same_base',
+           'base_fingerprint', 'train', 'TrainingJob', 'LaunchThrottle', 'sm_carveout', 'green_stream']
 
 # %% ../nbs/06_train.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -107,6 +107,9 @@ class OPSDConfig:
     #                                          load (a departure: completions from an approximation of the student)
     rollout_kv_cache: str = "auto"  # vLLM's KV-cache dtype: 'auto' (the weights') or 'fp8' (a departure, as above)
     replicate_rollout: bool = False  # every process samples the whole step batch (exactly equal to 1 process)
+    steps_per_rollout: int = 1  # one engine call samples the completions of this many steps, from the weights before
+    #                             the first (TRL's steps_per_generation); > 1 is a departure: step t+i trains on
+    #                             completions i updates old. 1: every step samples its own (the release)
     async_rollout: bool = False  # one step off-policy: step t trains on completions sampled before step t-1's update,
     #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
     async_queue: int = 0  # async_rollout on CUDA: cap the training thread's queued work at this many decoder layers
@@ -139,7 +142,7 @@ class OPSDConfig:
                       max_completion_length=(1, None), lora_r=(1, None), fused_chunk=(1, None), warmup_steps=(0, None),
                       log_positions=(0, None), sample_top_k=(0, None), beta=(0, 1), checkpointing=(0, 1),
                       lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None), async_queue=(0, None),
-                      async_carveout=(0, None), async_sms=(0, None), async_switch_ms=(1e-3, 5.0))
+                      async_carveout=(0, None), async_sms=(0, None), steps_per_rollout=(1, None), async_switch_ms=(1e-3, 5.0))
         ranges.update(seed=(0, 2**32 - 1), cpu_threads=(0, None))   # seed: numpy's seeds are 32-bit
         for k, (lo, hi) in ranges.items():
             v = getattr(self, k)
@@ -358,8 +361,10 @@ def _test_pause(where: str, step: int):
     while mark.exists() and time.time() - t0 < 600: time.sleep(0.02)   # a kill -9 lands here
 
 def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, teacher: Teacher,
-                    rollout_adapter: dict | None = None) -> Path:
-    "Write checkpoints/step-N atomically (model: the unwrapped peft model; async: the pending rollout's adapter)."
+                    rollout_adapter: dict | None = None, rollout_group: dict | None = None) -> Path:
+    """Write checkpoints/step-N atomically (model: the unwrapped peft model). Completions already sampled for later
+    steps (`async_rollout`, `steps_per_rollout`): the adapter they came from and `rollout_group` (the steps of that
+    engine call and the step it ran in), so that a resumed run samples exactly them again."""
     run = RunDir(run_dir)
     final = run.checkpoints_dir / f"step-{step}"
     tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
@@ -373,6 +378,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, teacher: Te
             from safetensors.torch import save_file
             save_file({k: v.detach().cpu().contiguous() for k, v in rollout_adapter.items()},
                       str(tmp / "rollout_adapter.safetensors"))
+            write_bytes(tmp / "rollout_group.json", json.dumps(rollout_group or {}).encode())
         _test_pause("save", step)
         write_bytes(tmp / "trainer_state.pt", buf.getbuffer())
         write_bytes(tmp / "state.json", json.dumps(dict(step=step)).encode())
@@ -445,6 +451,25 @@ class Samples:
     comps: list[list[int]]
     finish: list[str]
     rollout: Rollout
+    age: int = 0  # optimizer updates between the weights that sampled these and the weights they train (0: on-policy)
+
+@dataclass
+class PendingRollout:
+    """Completions that one engine call sampled for later steps: their plans, the step during which it ran (it sampled
+    from the weights before that step's update), the adapter the engine then held (stored in a checkpoint, so that a
+    resumed run samples them again) and, once run, each step's samples, taken out as the steps use them."""
+    plans: list[StepPlan]
+    at: int
+    weights: dict | None = None
+    samples: dict[int, Samples] = field(default_factory=dict)
+    seconds: float = 0.0
+    @property
+    def steps(self) -> list[int]: return [p.step for p in self.plans]
+
+def _lora_state(model) -> dict:
+    "A detached copy of the adapter's weights (peft names)."
+    from peft.utils import get_peft_model_state_dict
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 @dataclass
 class BackwardResult:
@@ -622,27 +647,66 @@ def plan(self: OPSDTrainer, step: int) -> StepPlan:
 
 # %% ../nbs/06_train.ipynb #2abc6a28
 @patch
-def _generate(self: OPSDTrainer, plan: StepPlan) -> Samples:
-    "The plan's completions from the engine's current weights, seeded by its step (no mode switch, no sleep)."
+def group_steps(self: OPSDTrainer, step: int) -> list[int]:
+    "The steps one rollout samples from `step` on: `steps_per_rollout` of them (1: the release), none past cfg.steps."
+    return list(range(step, min(step + self.cfg.steps_per_rollout, self.cfg.steps + 1)))
+
+@patch
+def _generate_many(self: OPSDTrainer, plans: Sequence[StepPlan]) -> list[Samples]:
+    """The plans' completions in one engine call from its current weights, seeded by the first plan's step (no mode
+    switch, no sleep); one `Samples` per plan. One plan is the release's rollout of one step."""
     cfg, rank, world = self.cfg, self.acc.process_index, self.acc.num_processes
-    seed = cfg.seed * 100003 + plan.step
-    if cfg.replicate_rollout or world == 1:
-        sampling = dataclasses.replace(self.sampling, seed=seed)
-        ro = self.rollout.generate([self.prompts(i)[0] for i in plan.idx], sampling)
-        out = Samples(ro.completion_ids[rank::world], ro.finish_reason[rank::world], ro)
-    else:
-        sampling = dataclasses.replace(self.sampling, seed=seed * 997 + rank)
-        ro = self.rollout.generate([self.prompts(i)[0] for i in plan.mine], sampling)
-        out = Samples(ro.completion_ids, ro.finish_reason, ro)
+    seed = cfg.seed * 100003 + plans[0].step
+    every = cfg.replicate_rollout or world == 1   # every process samples every row and keeps its share
+    rows = [p.idx if every else p.mine for p in plans]
+    sampling = dataclasses.replace(self.sampling, seed=seed if every else seed * 997 + rank)
+    ro = self.rollout.generate([self.prompts(i)[0] for r in rows for i in r], sampling)
+    out, at = [], 0
+    for r in rows:
+        part = ro if len(rows) == 1 else ro.select(range(at, at + len(r)))
+        at += len(r)
+        share = slice(rank, None, world) if every else slice(None)
+        out.append(Samples(part.completion_ids[share], part.finish_reason[share], part))
     return out
 
 @patch
+def _generate(self: OPSDTrainer, plan: StepPlan) -> Samples:
+    "The plan's completions from the engine's current weights, seeded by its step (no mode switch, no sleep)."
+    return self._generate_many([plan])[0]
+
+@patch
+def pending_for(self: OPSDTrainer, steps: Sequence[int], at: int) -> PendingRollout:
+    """A rollout of `steps` about to run during step `at`, from the engine's weights, which equal the adapter's now
+    (copied when the rollout outlives the step: several steps, or `async_rollout`)."""
+    keep = len(steps) > 1 or self.cfg.async_rollout
+    return PendingRollout([self.plan(s) for s in steps], at, _lora_state(self.unwrapped) if keep else None)
+
+@patch
+def run_pending(self: OPSDTrainer, p: PendingRollout) -> PendingRollout:
+    "Sample a pending rollout's plans in one engine call."
+    t0 = time.perf_counter()
+    p.samples = dict(zip(p.steps, self._generate_many(p.plans)))
+    p.seconds = time.perf_counter() - t0
+    return p
+
+@patch
+def take(self: OPSDTrainer, step: int) -> Samples:
+    "Step `step`'s samples out of the pending rollout (dropped once empty), with their age in updates."
+    p = self._pending
+    s = p.samples.pop(step)
+    s.age = step - p.at
+    if not p.samples: self._pending = None
+    return s
+
+@patch
 def sample(self: OPSDTrainer, plan: StepPlan) -> Samples:
-    "Completions for this process's problems (and the Rollout, for sampled accuracy)."
-    self.model.eval()
-    out = self._generate(plan)
-    if self.cfg.vllm_sleep: self.rollout.sleep()     # vLLM frees its memory for the training phase (HF: nothing)
-    return out
+    """Completions for this process's problems (and the Rollout, for sampled accuracy): taken from the rollout that
+    sampled them with an earlier step's (`steps_per_rollout` > 1), else sampled now with the next steps' too."""
+    if self._pending is None or plan.step not in self._pending.samples:
+        self.model.eval()
+        self._pending = self.run_pending(self.pending_for(self.group_steps(plan.step), at=plan.step))
+        if self.cfg.vllm_sleep: self.rollout.sleep()     # vLLM frees its memory for the training phase (HF: nothing)
+    return self.take(plan.step)
 
 
 # %% ../nbs/06_train.ipynb #6062e2d4
@@ -767,7 +831,7 @@ def metrics_row(self: OPSDTrainer, step: int, *, samples: Samples, back: Backwar
                 normalize=cfg.normalize, loss=tot["__loss"], **inst, tokens=int(n), grad_norm=update.grad_norm,
                 lr=update.lr, completion_len=float(np.mean([len(c) for c in comps])) if comps else 0.0,
                 truncated_frac=float(np.mean([f == "length" for f in finish])) if finish else 0.0,
-                sampled_acc=sampled_acc, **times.row(), seconds=times.total)
+                sampled_acc=sampled_acc, rollout_age=samples.age, **times.row(), seconds=times.total)
 
 
 # %% ../nbs/06_train.ipynb #81166a8f
@@ -791,7 +855,7 @@ def step(self: OPSDTrainer, step: int) -> dict:
     back = self.backward_all(self.batches(plan.mine, samples.comps))
     upd = self.update()
     _sync(dev); t2 = time.perf_counter()
-    self.sync()
+    if self._pending is None: self.sync()   # the next step samples (steps_per_rollout > 1: after a group's last)
     _sync(dev); t3 = time.perf_counter()
     row = self.metrics_row(step, samples=samples, back=back, update=upd, times=Timings(t1 - t0, t2 - t1, t3 - t2),
                            sampled_acc=self._sampled_acc(plan, samples))
@@ -849,6 +913,26 @@ def check_same_base(run_dir, fingerprint: str | None):
                          f"{fingerprint} (rebuilt or replaced); {_FIX}")
 
 @patch
+def _regenerate_pending(self: OPSDTrainer, ck: Path) -> PendingRollout | None:
+    """Resume: the completions a checkpoint's step had already sampled for later steps, sampled again in one engine
+    call of the same steps from the adapter they came from (stored in the checkpoint); the steps done are dropped."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    f, g = Path(ck) / "rollout_adapter.safetensors", Path(ck) / "rollout_group.json"
+    if not f.exists(): return None    # nothing sampled ahead: the next step samples its own batch first
+    # without rollout_group.json (async runs of an earlier opsd): the next step's batch, sampled during this one
+    group = json.loads(g.read_text()) if g.exists() else dict(steps=[self.step_done + 1], at=self.step_done)
+    now, then = _lora_state(self.unwrapped), load_file(str(f), device=str(self.acc.device))
+    set_peft_model_state_dict(self.unwrapped, then)
+    try:
+        self.sync()
+        p = self.run_pending(self.pending_for(group["steps"], at=group["at"]))
+    finally:
+        set_peft_model_state_dict(self.unwrapped, now)
+    for s in [s for s in p.samples if s <= self.step_done]: del p.samples[s]
+    return p
+
+@patch
 def resume(self: OPSDTrainer) -> int:
     "Restore the latest checkpoint of the run folder; rows after it are dropped (all of them when there is none)."
     ck = self.resumed_from = self.run.latest_checkpoint()
@@ -857,7 +941,7 @@ def resume(self: OPSDTrainer) -> int:
         return 0
     self.step_done = load_checkpoint(ck, self.unwrapped, self.optimizer, self.scheduler, self.teacher)
     if self.acc.is_main_process: self.run.truncate_after(self.step_done)
-    if self.cfg.async_rollout and self.step_done < self.cfg.steps: self._pending = self._regenerate_pending(ck)
+    if self.step_done < self.cfg.steps: self._pending = self._regenerate_pending(ck)   # samples of later steps
     self.sync()
     return self.step_done
 
@@ -865,8 +949,10 @@ def resume(self: OPSDTrainer) -> int:
 def save(self: OPSDTrainer, step: int):
     "A checkpoint of this step (main process), then a barrier."
     if self.acc.is_main_process:
-        pend = self._pending.weights if self.cfg.async_rollout and self._pending is not None else None
-        save_checkpoint(self.run_dir, step, self.unwrapped, self.optimizer, self.scheduler, self.teacher, pend)
+        p = self._pending   # completions sampled for later steps: the adapter they came from, to sample them again
+        pend = dict(steps=p.steps, at=p.at) if p is not None and p.weights is not None else None
+        save_checkpoint(self.run_dir, step, self.unwrapped, self.optimizer, self.scheduler, self.teacher,
+                        p.weights if pend else None, pend)
     self.acc.wait_for_everyone()
 
 def base_fingerprint(path) -> str | None:
@@ -950,14 +1036,6 @@ def train(cfg: OPSDConfig, problems: Sequence[dict] | None = None, resume: bool 
 
 # %% ../nbs/06_train.ipynb #a5f1c002
 @dataclass
-class PendingRollout:
-    "The rollout of a later step: its plan, the adapter it samples from (for resume) and, once run, its samples."
-    plan: StepPlan
-    weights: dict  # the LoRA state (peft names) the engine held when it ran: stored in checkpoints for resume
-    samples: Samples | None = None
-    seconds: float = 0.0
-
-@dataclass
 class TrainingJob:
     "The training half of an async step (backward + update), in a thread (on CUDA on its own stream)."
     step: int
@@ -1028,10 +1106,6 @@ def green_stream(n: int, device) -> tuple:
         raise RuntimeError(f"{where}: torch {torch.__version__} made no green context of {n} SMs on cuda:{idx} "
                            f"({type(e).__name__}: {e}); set async_sms=0") from e
 
-def _lora_state(model) -> dict:
-    from peft.utils import get_peft_model_state_dict
-    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-
 @patch
 def launch_training(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> TrainingJob:
     "Backward and update of `plan` on `samples` in a thread: on CUDA beside the rollout (own stream), on CPU after it."
@@ -1072,21 +1146,25 @@ def join_training(self: OPSDTrainer, job: TrainingJob) -> tuple[BackwardResult, 
 
 @patch
 def _step_async(self: OPSDTrainer, step: int) -> dict:
-    "One step with the rollout of step+1 overlapped: train on the pending samples (from θ_{step-2}), then sync θ_step."
+    """One step with the next rollout overlapped: train on the pending samples (from θ_{step-2}); sample the next
+    step's (`steps_per_rollout` k: the next k steps', once this step's group is used up) beside the training; sync
+    θ_step when the next step samples."""
     import sys
     dev, t0 = self.acc.device, time.perf_counter()
     cuda = dev.type == "cuda"
     if cuda and getattr(self.rollout, "gen_model", None) is self.unwrapped:
         raise ValueError("config field async_rollout=True: the HF rollout generates with the training model itself; "
                          "use a merged HF engine (the trainer's default) or vLLM")
-    plan, p, self._pending = self.plan(step), self._pending, None
-    if p is not None and p.plan.step == step: samples, ran = p.samples, 0.0   # sampled during the last step
-    else:   # the first step (or a resume without a stored rollout): sample this step's own batch first
-        samples = self._generate(plan); _sync_main(dev); ran = time.perf_counter() - t0
-    nxt = PendingRollout(self.plan(step + 1), _lora_state(self.unwrapped)) if step < self.cfg.steps else None
+    plan, ran = self.plan(step), 0.0
+    if self._pending is None or step not in self._pending.samples:   # the first step (or a resume without a stored
+        self._pending = self.pending_for(self.group_steps(step), at=step)   # rollout): sample this step's group first
+        self.run_pending(self._pending); _sync_main(dev); ran = time.perf_counter() - t0
+    samples = self.take(step)   # sampled during an earlier step (from θ_{step-2}), unless just now
+    # this step's group is used up: the next group samples beside this step's training, from the engine's θ_{step-1}
+    nxt = self.pending_for(self.group_steps(step + 1), at=step) if self._pending is None and step < self.cfg.steps else None
     t1 = time.perf_counter()
-    def roll():   # the next step's completions from the engine's θ_{step-1}; here, in the engine's own thread
-        r0 = time.perf_counter(); nxt.samples = self._generate(nxt.plan); _sync_main(dev)
+    def roll():   # here, in the engine's own thread
+        r0 = time.perf_counter(); self.run_pending(nxt); _sync_main(dev)
         nxt.seconds = time.perf_counter() - r0
     if nxt is not None and not cuda: roll()   # CPU: in turn, the rollout first
     carve = self.cfg.async_carveout
@@ -1104,9 +1182,10 @@ def _step_async(self: OPSDTrainer, step: int) -> dict:
             finally: back, upd = self.join_training(job)   # never leave the thread training under an error
     finally: sys.setswitchinterval(switch)
     t2 = time.perf_counter()
-    self.sync()                                          # θ_step to the engine, after its rollout finished
+    if nxt is not None: self._pending = nxt
+    p = self._pending   # θ_step to the engine (after its rollout finished) when the next step samples
+    if p is None or p.steps[-1] == step + 1 or step == self.cfg.steps: self.sync()
     _sync_main(dev); t3 = time.perf_counter()
-    self._pending = nxt
     ran += nxt.seconds if nxt is not None else 0.0
     wait = (t1 - t0) + max((t2 - t1) - job.seconds, 0.0)   # the rollout time that training did not hide
     times = Timings(rollout=ran, train=job.seconds, sync=t3 - t2, rollout_wait=wait, overlap=max(ran - wait, 0.0))
@@ -1115,19 +1194,3 @@ def _step_async(self: OPSDTrainer, step: int) -> dict:
     self._keep_positions(step, back)
     return row
 
-@patch
-def _regenerate_pending(self: OPSDTrainer, ck: Path) -> PendingRollout | None:
-    "Resume: the rollout of the next step, regenerated from the adapter it came from (stored in the checkpoint)."
-    from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
-    f = Path(ck) / "rollout_adapter.safetensors"
-    if not f.exists(): return None    # a synchronous run's checkpoint: the next step samples its own batch first
-    now, then = _lora_state(self.unwrapped), load_file(str(f), device=str(self.acc.device))
-    set_peft_model_state_dict(self.unwrapped, then)
-    try:
-        self.sync()
-        p = PendingRollout(self.plan(self.step_done + 1), _lora_state(self.unwrapped))
-        t0 = time.perf_counter(); p.samples = self._generate(p.plan); p.seconds = time.perf_counter() - t0
-    finally:
-        set_peft_model_state_dict(self.unwrapped, now)
-    return p

@@ -197,21 +197,28 @@ def test_async_resume_equals_uninterrupted_run(sharp_ckpt, toy_problems, tmp_pat
     instead of rollout_adapter.safetensors."""
     kw = dict(steps=4, save_every=2, teacher="ema", ema_decay=0.5, lora_dropout=0.1, micro_batch_size=2, lr=0.01,
               async_rollout=True)
+    full, first, rest, b = stopped_and_resumed(sharp_ckpt, toy_problems, tmp_path, 2, **kw)
+    assert (tmp_path / "resumed" / "checkpoints" / "step-2" / "rollout_adapter.safetensors").exists()
+    assert len(full) == 4 and len(first) == 2 and len(rest) == 2
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
 
+
+def stopped_and_resumed(ckpt, problems, tmp_path, stop: int, **kw) -> tuple:
+    """Train tmp_path/full to the end, and tmp_path/resumed to `stop`, then resumed to the end, each from a new
+    trainer; check that both trained on the same completions and logged the same numbers at every step. Returns the
+    completions each call trained on (full, to stop, after it) and the resumed run's metrics rows."""
     def run(name, stop_after=None):
-        tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / name, **kw)
+        tr = make_trainer(ckpt, problems, tmp_path / name, **kw)
         seen = record(tr)
         tr.fit(stop_after=stop_after)
         return seen["trained"]
     full = run("full")
-    first = run("resumed", stop_after=2)
-    assert (tmp_path / "resumed" / "checkpoints" / "step-2" / "rollout_adapter.safetensors").exists()
+    first = run("resumed", stop_after=stop)
     rest = run("resumed")
-    assert len(full) == 4 and len(first) == 2 and len(rest) == 2
-    assert first == full[:2] and rest == full[2:]
+    assert first == full[:stop] and rest == full[stop:]
     a, b = read_metrics(tmp_path / "full").to_dicts(), read_metrics(tmp_path / "resumed").to_dicts()
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b): assert numbers(ra) == numbers(rb)
+    return full, first, rest, b
 
 
 def test_cli_set_async_rollout(tiny_ckpt, toy_data_file, tmp_path):
@@ -325,6 +332,15 @@ print("RESULT " + json.dumps(dict(seen=seen, want=want, fresh3=fresh3, overlap=[
 '''
 
 
+def child_result(script: str, tmp_path) -> dict:
+    "Run a test's script in a fresh Python process (a vLLM engine of its own) and parse its `RESULT {json}` line."
+    import sys
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, r.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
 @pytest.mark.gpu
 @pytest.mark.vllm
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -339,12 +355,7 @@ def test_async_with_vllm_samples_from_two_updates_back(tmp_path):
     carveout held only while training ran. Those three checks passed on the H200 on 2026-12-05
     (bench/h200-2026-12-05-seeds/test_async_vllm.log)."""
     pytest.importorskip("vllm")
-    import sys
-    r = subprocess.run([sys.executable, "-c", VLLM_ASYNC_CHILD, str(tmp_path)], capture_output=True, text=True,
-                       timeout=600)
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, r.stderr[-3000:]
-    got = json.loads(line[len("RESULT "):])
+    got = child_result(VLLM_ASYNC_CHILD, tmp_path)
     for t, (a, b) in enumerate(zip(got["seen"], got["want"]), 1):
         assert a == b, f"step {t}"
     assert got["seen"][2] != got["fresh3"]

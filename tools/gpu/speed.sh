@@ -14,6 +14,9 @@
 #   fp8     e2e with the fp8-rollout async packed row (a departure; its own process), then tests/test_async.py on CUDA
 #   green   e2e with GREEN_VARIANTS (the fastest async row, then with training on 64/80/96 SMs of a green context;
 #           time box LIMIT - 100 s), then the green-context and HF async CUDA tests of tests/test_async.py
+#   steps   e2e with STEPS_VARIANTS: one engine call for the completions of 2 or 4 steps (`steps_per_rollout`, a
+#           departure: step t+i trains on completions i updates old), synchronous and async (time box LIMIT - 90 s), then
+#           the vLLM test of tests/test_steps_per_rollout.py
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
 # $OUT/e2e_speed.jsonl as each variant finishes, so a run cut by the time limit keeps the variants it finished.
@@ -63,7 +66,15 @@ PACKED_VARIANTS="$PACKED_VARIANTS,opsd best + kernels + async + packed"
 SWITCH_VARIANTS="released,opsd best + liger + async + packed,opsd best + liger + async + packed (switch 0.2 ms)"
 GREEN_VARIANTS="released,opsd best + liger + async + packed,opsd best + liger + async + packed (sms 64)"
 GREEN_VARIANTS="$GREEN_VARIANTS,opsd best + liger + async + packed (sms 80),opsd best + liger + async + packed (sms 96)"
+STEPS_VARIANTS="released,opsd best + liger + packed,opsd best + liger + packed (2 steps per rollout)"
+STEPS_VARIANTS="$STEPS_VARIANTS,opsd best + liger + packed (4 steps per rollout)"
+STEPS_VARIANTS="$STEPS_VARIANTS,opsd best + liger + async + packed (2 steps per rollout),opsd best + liger + async + packed"
 case ${1:-} in
+steps)
+  liger; VARIANTS=${VARIANTS:-$STEPS_VARIANTS} RESERVE=${RESERVE:-90} e2e
+  timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q -rs tests/test_steps_per_rollout.py \
+    -k vllm -p no:cacheprovider 2>&1 | tee "$OUT/test_steps_vllm.log" | tail -4
+  ;;
 green)
   liger; VARIANTS=${VARIANTS:-$GREEN_VARIANTS} RESERVE=${RESERVE:-100} e2e
   t0=$(date +%s)
