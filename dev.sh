@@ -14,10 +14,19 @@ PY="$VENV/bin/python"
 
 quiet_pip() { "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
 
+need_space() {  # a full disk makes pip fail half-way with "[Errno 28]": say so before starting
+  local free; free=$(df -Pk "$1" 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}')
+  [ -z "$free" ] || [ "$free" -ge "$2" ] && return 0
+  echo "[dev.sh] FAIL: setting up $VENV needs about $2 GB free in $1 (the environment is about 3 GB); only $free GB is" \
+       "free there: free some space, or set OPSD_VENV (the environment) / TMPDIR (pip's unpacking) to a larger disk"
+  return 1
+}
+
 setup() {
   local want; want=$(cat requirements-cpu.txt settings.ini setup.py | sha256sum | cut -c1-16)
   if [ -f "$VENV/.opsd-installed" ] && [ "$(cat "$VENV/.opsd-installed")" = "$want" ]; then return 0; fi
   echo "[dev.sh] setting up $VENV (once; about a minute)"
+  need_space "$(dirname "$VENV")" 4 && need_space "${TMPDIR:-/tmp}" 1 || return 1
   [ -x "$PY" ] || python3 -m venv "$VENV"
   quiet_pip install -q --upgrade pip 'setuptools>=64' wheel
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

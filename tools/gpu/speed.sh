@@ -2,7 +2,7 @@
 # Issue 18 (speed) on one H200, after the vllm and opsd sets are unpacked into /tmp/site (tools/gpu/README.md) and with
 # .gpu-carry/extra carried (wheels of liger-kernel 0.8.5, compressed-tensors 0.17.0, loguru, fastcore). Usage: bash tools/gpu/speed.sh PHASE
 #   all     (one device call, <= 9 minutes) install Liger-Kernel, `python -m opsd.bench e2e --steps 4 --warmup 1` with
-#           E2E_DEFAULT's seven variants (time box: LIMIT - 130 s from the start), then the GPU checks of tests/test_kernels.py
+#           E2E_DEFAULT's variants (time box: LIMIT - 130 s from the start), then the GPU checks of tests/test_kernels.py
 #   tests   only the GPU checks of tests/test_kernels.py
 #   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4, CUT=0.125 for completions of spread lengths,
 #           PROFILE=1 for the kernels of each synchronous variant's training half)
@@ -17,6 +17,8 @@
 #   steps   e2e with STEPS_VARIANTS: one engine call for the completions of 2 or 4 steps (`steps_per_rollout`, a
 #           departure: step t+i trains on completions i updates old), synchronous and async (time box LIMIT - 90 s), then
 #           the vLLM test of tests/test_steps_per_rollout.py
+#   decode  `python -m opsd.bench rollout --batches 32,64,128,256`: vLLM's decoding step at each row count, with the
+#           released sampling (first call of each size apart): what one engine call for k steps costs
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
 # $OUT/e2e_speed.jsonl as each variant finishes, so a run cut by the time limit keeps the variants it finished.
@@ -68,8 +70,15 @@ GREEN_VARIANTS="released,opsd best + liger + async + packed,opsd best + liger + 
 GREEN_VARIANTS="$GREEN_VARIANTS,opsd best + liger + async + packed (sms 80),opsd best + liger + async + packed (sms 96)"
 STEPS_VARIANTS="released,opsd best + liger + packed,opsd best + liger + packed (2 steps per rollout)"
 STEPS_VARIANTS="$STEPS_VARIANTS,opsd best + liger + packed (4 steps per rollout)"
-STEPS_VARIANTS="$STEPS_VARIANTS,opsd best + liger + async + packed (2 steps per rollout),opsd best + liger + async + packed"
+STEPS_VARIANTS="$STEPS_VARIANTS,opsd best + liger + async + packed (2 steps per rollout)"
 case ${1:-} in
+decode)
+  [ -f $MODEL/config.json ] || python3 -c "from opsd.bench import random_qwen3_checkpoint as r; print(r('$MODEL'))" 2>&1 | grep -v Warn | tail -1
+  t0=$(date +%s)
+  timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m opsd.bench rollout --backend vllm --model $MODEL \
+    --batches ${BATCHES:-32,64,128,256} --prompt-len 200 --vllm-memory 0.8 --out "$OUT/decode_rows.json" > "$OUT/decode_rows.log" 2>&1
+  echo "rc=$? wall $(( $(date +%s) - t0 )) s"; grep -E "^\||Error|Traceback" "$OUT/decode_rows.log" | tail -12
+  ;;
 steps)
   liger; VARIANTS=${VARIANTS:-$STEPS_VARIANTS} RESERVE=${RESERVE:-90} e2e
   timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q -rs tests/test_steps_per_rollout.py \
