@@ -461,8 +461,8 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
             engines.setdefault(key, tr.rollout)      # (the trainer applied cfg.kernels: the path `opsd train` runs)
             row["setup_s"] = time.perf_counter() - t0
             costs = costs or model_costs(tr.unwrapped.config, cfg.dtype)
-            per, k = [], cfg.steps_per_rollout
-            warm, timed = -(-warmup // k) * k, -(-steps // k) * k   # whole groups of k steps
+            per, spr = [], cfg.steps_per_rollout
+            warm, timed = -(-warmup // spr) * spr, -(-steps // spr) * spr   # whole groups of spr steps
             row.update(warmup=warm, steps=timed)
             with cut_completions(tr.rollout, spread_lengths(cut)) if cut else nullcontext():   # `cut`: spread lengths
                 for s in range(1, warm + timed + 1):
@@ -473,14 +473,14 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
                     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
                     if s > warm:
                         fl = phase_floors(costs, rates, **_step_shapes(tr, s), completion_len=m["completion_len"],
-                                          steps_per_rollout=k)
+                                          steps_per_rollout=spr)
                         per.append(dict(m, wall=wall, peak_gib=peak, **fl))
                     shown = {k: m.get(k) for k in ("time/rollout", "time/rollout_wait", "time/overlap", "time/train",
                                                    "time/sync", "tokens", "loss") if k in m}
                     print(json.dumps(dict(variant=name, step=s, wall=round(wall, 3), **shown)), flush=True)
                 if profile and not over.get("async_rollout"):   # after the timed steps: they stay unprofiled
                     with training_profile(tr, row.setdefault("profile", {})): tr.step(warm + timed + 1)
-            groups = [per[j:j + k] for j in range(0, len(per), k)]   # k = 1: every step its own group
+            groups = [per[j:j + spr] for j in range(0, len(per), spr)]   # spr = 1: every step its own group
             med = lambda key: (statistics.median(statistics.fmean(float(r[key]) for r in g) for g in groups)
                                if per and all(r.get(key) is not None for r in per) else None)
             peaks = [r["peak_gib"] for r in per if r["peak_gib"] is not None]
