@@ -68,6 +68,8 @@ def run_summary(
         for col, name in _TRACKED:
             if col in g.columns:
                 row[f"{name}_first"], row[f"{name}_last"] = first[col], last[col]
+        if "rollout_age" in g.columns and g["rollout_age"].null_count() < g.height:   # off-policy departures
+            row["rollout_age"] = float(g["rollout_age"].mean())
         if es is not None and "run" in es.columns:
             e = es.filter(pl.col("run") == run)
             if e.height:
@@ -209,6 +211,8 @@ def _fmt(v) -> str:
     return html.escape(str(v))
 
 
+_HEAD = dict(rollout_age="mean rollout age (updates; 0: on-policy)")
+
 def _table_html(table: pl.DataFrame) -> str:
     "The summary table as HTML, with 'first → last' columns for the tracked metrics."
     if table.height == 0:
@@ -216,7 +220,10 @@ def _table_html(table: pl.DataFrame) -> str:
     cols = [c for c in ("run", "clip", "tau", "beta", "steps") if c in table.columns]
     pairs = [(n, f"{n}_first", f"{n}_last") for _, n in _TRACKED if f"{n}_first" in table.columns]
     has_acc = "acc_first" in table.columns
-    head = "".join(f'<th class="{"l" if c in ("run", "clip") else ""}">{c}</th>' for c in cols)
+    # runs that trained on completions from earlier weights (async_rollout, steps_per_rollout > 1) say how much
+    if "rollout_age" in table.columns and any((a or 0) > 0 for a in table["rollout_age"].to_list()):
+        cols.append("rollout_age")
+    head = "".join(f'<th class="{"l" if c in ("run", "clip") else ""}">{_HEAD.get(c, c)}</th>' for c in cols)
     head += "".join(f"<th>{n} (first → last)</th>" for n, _, _ in pairs)
     if has_acc:
         split = next((s for s in table["acc_split"].to_list() if s), "")

@@ -658,3 +658,16 @@ def test_report_keeps_real_runs_that_share_a_name_apart(tiny_ckpt, toy_problems,
     (tmp_path / "afile").write_text("x")
     with pytest.raises(NotADirectoryError, match="afile: is a file"):
         report.write_report(dirs, tmp_path / "afile", png=False)
+
+
+def test_report_says_how_old_the_trained_completions_were():
+    """A run trained on completions from earlier weights (`steps_per_rollout`, `async_rollout`: the metrics'
+    `rollout_age`) gets its mean age in the summary table; runs that are all on-policy (or logged before the column
+    existed) get no such column. Break that made it fail: the age's max instead of its mean (1 instead of 0.5)."""
+    m = pl.DataFrame(dict(run=["k2"] * 4 + ["k1"] * 4 + ["old"] * 4, step=[1, 2, 3, 4] * 3, clip=["scaled"] * 12,
+                          loss=[0.1] * 12, rollout_age=[0, 1, 0, 1] + [0] * 4 + [None] * 4))
+    t = report.run_summary(m)
+    assert dict(zip(t["run"], t["rollout_age"])) == {"k2": 0.5, "k1": 0.0, "old": None}
+    page = report._table_html(t)
+    assert "mean rollout age" in page and '<td class="">0.5</td>' in page
+    assert "mean rollout age" not in report._table_html(report.run_summary(m.filter(pl.col("run") != "k2")))
