@@ -943,6 +943,8 @@ def resume(self: OPSDTrainer) -> int:
     if self.acc.is_main_process: self.run.truncate_after(self.step_done)
     if self.step_done < self.cfg.steps: self._pending = self._regenerate_pending(ck)   # samples of later steps
     self.sync()
+    # the next step trains on samples already drawn (inside a group): the engine sleeps through it, as after sampling
+    if self._pending is not None and self.cfg.vllm_sleep: self.rollout.sleep()
     return self.step_done
 
 @patch

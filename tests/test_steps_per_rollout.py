@@ -140,3 +140,20 @@ def test_steps_per_rollout_with_vllm(tmp_path):
     assert got["calls"] == [32, 32] and got["ages"] == [0, 1, 0, 1], got
     for t, (a, b) in enumerate(zip(got["seen"], got["want"]), 1):
         assert a == b, f"step {t}"
+
+
+def test_resumed_inside_a_group_the_engine_sleeps_through_training(sharp_ckpt, toy_problems, tmp_path):
+    """With `vllm_sleep` (the release's: the engine frees its GPU memory while training runs), a run resumed inside a
+    group samples the group again and syncs the current weights, both of which wake the engine; the next steps only
+    train, so the engine must be put back to sleep before them. Break that made it fail: the `sleep` line at the end
+    of `resume` dropped (the last engine event is the sync)."""
+    kw = dict(steps=4, save_every=1, steps_per_rollout=3, micro_batch_size=2)
+    make_trainer(sharp_ckpt, toy_problems, tmp_path / "run", **kw).fit(stop_after=1)
+    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "run", **kw)
+    assert tr.cfg.vllm_sleep
+    events, ro = [], tr.rollout
+    for name in ("sleep", "sync_weights", "generate"):
+        f = getattr(ro, name)
+        setattr(ro, name, lambda *a, _f=f, _n=name, **k: (events.append(_n), _f(*a, **k))[1])
+    assert tr.resume() == 1 and sorted(tr._pending.samples) == [2, 3]
+    assert events.index("generate") < len(events) - 1 and events[-1] == "sleep", events
