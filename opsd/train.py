@@ -462,7 +462,7 @@ class PendingRollout:
     at: int
     weights: dict | None = None
     samples: dict[int, Samples] = field(default_factory=dict)
-    seconds: float = 0.0
+    seconds: float = 0.0  # async: the wall time of its rollout beside training (the step's `time/rollout`)
     @property
     def steps(self) -> list[int]: return [p.step for p in self.plans]
 
@@ -684,9 +684,7 @@ def pending_for(self: OPSDTrainer, steps: Sequence[int], at: int) -> PendingRoll
 @patch
 def run_pending(self: OPSDTrainer, p: PendingRollout) -> PendingRollout:
     "Sample a pending rollout's plans in one engine call."
-    t0 = time.perf_counter()
     p.samples = dict(zip(p.steps, self._generate_many(p.plans)))
-    p.seconds = time.perf_counter() - t0
     return p
 
 @patch
