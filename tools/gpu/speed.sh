@@ -5,7 +5,7 @@
 #           E2E_DEFAULT's variants (time box: LIMIT - 130 s from the start), then the GPU checks of tests/test_kernels.py
 #   tests   only the GPU checks of tests/test_kernels.py
 #   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4, CUT=0.125 for completions of spread lengths,
-#           PROFILE=1 for the kernels of each synchronous variant's training half)
+#           PROFILE=1 for the kernels of each synchronous variant's training half, NOBRACKET=1: no repeat of the first)
 #   stall   pytest tests/test_gpu_stall.py (needs the smollm2 set too; about 2-3 minutes)
 #   async   e2e with ASYNC_VARIANTS (time box LIMIT - 100 s), then the CUDA tests of tests/test_async.py (HF, vLLM)
 #   packed  e2e with PACKED_VARIANTS (time box LIMIT - 60 s), then the CUDA tests of tests/test_packing.py (flash varlen)
@@ -50,6 +50,8 @@ e2e() {
   cmd="python3 -m opsd.bench e2e --model $MODEL --steps ${STEPS:-4} --warmup 1 --jsonl $OUT/e2e_speed.jsonl --out $OUT/e2e_speed.json"
   cmd="$cmd${CUT:+ --cut $CUT}"   # CUT=0.125: completions of spread lengths (the training phase as with a real model)
   cmd="$cmd${PROFILE:+ --profile}"   # PROFILE=1: one more step per synchronous variant, training half under torch.profiler
+  cmd="$cmd${VLLM_MEMORY:+ --vllm-memory $VLLM_MEMORY}"   # the engine's share of the GPU (default 0.3)
+  cmd="$cmd${NOBRACKET:+ --no-bracket}"   # NOBRACKET=1: the first variant is not measured again at the end
   echo "+ $cmd ${VARIANTS:+--variants \"$VARIANTS\"}   (time box ${left} s)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   t0=$(date +%s)
