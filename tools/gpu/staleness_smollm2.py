@@ -1,14 +1,19 @@
-"""Issue 18: what one step of staleness (`async_rollout`) costs on the real model, SmolLM2-135M-Instruct, on one GPU.
+"""Issue 18: what staleness costs on the real model, SmolLM2-135M-Instruct, on one GPU: one step of it
+(`async_rollout`, the arm `async`) or a group of k steps sampled at once (`steps_per_rollout`, the arms `k2`, `k4`).
 
-The demo's SmolLM2 recipe (the world preset: 50 steps of 32 completions, scaled clip), synchronous against async, over
-seeds, every run through `opsd.demo.run_world_jobs` (the trainer's own step) with one shared vLLM engine; then a greedy
+The demo's SmolLM2 recipe (the world preset: 50 steps of 32 completions, scaled clip), synchronous against each arm,
+over seeds, every run through `opsd.demo.run_world_jobs` (the trainer's own step) with one shared vLLM engine; then a greedy
 held-out evaluation (100 problems, 128 tokens: the sampled one is uninformative for a 135M model, bench README) of the
 base and of each run's last checkpoint through `opsd.eval.eval_runs` in the same engine. Prints and writes
-per-run effects and the paired async - sync differences with 95% t-intervals. Seed by seed: each pair is trained,
+per-run effects and the paired arm - sync differences with 95% t-intervals. Seed by seed: each seed's runs are trained,
 evaluated and written to OUT_JSON before the next starts, so a call cut by its time box keeps every finished pair
 (the first run, 2026-12-04, trained 5.5 of 6 runs and evaluated none).
-Usage (H200, after the sets are unpacked): python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--smoke]
---smoke: the same code on CPU at toy size (2 steps of 4 completions, 16 tokens, 4 held-out problems, HF engine), to
+Usage (H200, after the sets are unpacked):
+    python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--arms async|k2,k4|async,k2,k4] [--smoke]
+--arms: the arms trained beside `sync` (default `async`, the first study's); the JSON has, per measure, each arm's
+interval and `diff_<arm>`, the paired arm - sync difference (the first study's file, 2026-12-04, names them `async_`
+and `diff`).
+--smoke: the same code on CPU at toy size (4 steps of 4 completions, 16 tokens, 4 held-out problems, HF engine), to
 check the script before a GPU call; its numbers mean nothing."""
 import json, sys, time
 from pathlib import Path
@@ -22,24 +27,31 @@ from opsd.plots import seed_interval
 from opsd.rollout import SamplingConfig, make_rollout
 from opsd.worlds import resolve_world
 
-args = [a for a in sys.argv[1:] if a != "--smoke"]
-smoke = "--smoke" in sys.argv
+ARMS = {"async": {"async_rollout": True}, "k2": {"steps_per_rollout": 2}, "k4": {"steps_per_rollout": 4}}
+argv = sys.argv[1:]
+arms = ["async"]
+if "--arms" in argv:
+    i = argv.index("--arms"); arms = argv[i + 1].split(","); del argv[i:i + 2]
+    bad = [a for a in arms if a not in ARMS]
+    if bad: sys.exit(f"--arms: unknown arm(s) {bad}; choose from {sorted(ARMS)}")
+args = [a for a in argv if a != "--smoke"]
+smoke = "--smoke" in argv
 out, dest = Path(args[0]), Path(args[1])
 seeds = int(args[2]) if len(args) > 2 else 3
 t_all = time.perf_counter()
 w = resolve_world("smollm2")
 recipe = DemoRecipe(k=1)   # the demo's own sampled evaluation at k=1 (cheap); the greedy one below is the measure
 if smoke:
-    recipe = DemoRecipe(k=1, n_eval=4, config=dict(steps=2, batch_size=4, micro_batch_size=4,
-                                                   max_completion_length=16, save_every=2, rollout="hf"))
-n_test, last, new_tokens = (4, 2, 16) if smoke else (100, 50, 128)
+    recipe = DemoRecipe(k=1, n_eval=4, config=dict(steps=4, batch_size=4, micro_batch_size=4,
+                                                   max_completion_length=16, save_every=4, rollout="hf"))
+n_test, last, new_tokens = (4, 4, 16) if smoke else (100, 50, 128)
 jobs = []
-for label, extra in (("sync", {}), ("async", {"async_rollout": True})):
+for label, extra in [("sync", {})] + [(a, ARMS[a]) for a in arms]:
     for j in demo_jobs(out, clips=["scaled"], seeds=seeds, recipe=recipe, world="smollm2", **extra):
         j["name"] = f"smollm2-scaled-{label}-s{j['seed']}"
         j["run_dir"], j["label"] = str(out / j["name"]), label
         jobs.append(j)
-jobs.sort(key=lambda j: (j["seed"], j["label"]))   # seed-major: a cut call leaves whole pairs
+jobs.sort(key=lambda j: (j["seed"], j["label"]))   # seed-major: a cut call leaves whole seeds
 path = w.path
 tok = AutoTokenizer.from_pretrained(path)
 t0 = time.perf_counter()
@@ -53,7 +65,7 @@ label = {j["name"]: j["label"] for j in jobs}
 
 
 def summarize(done: list) -> dict:
-    "Per-run effects, step times and the paired async - sync differences of the runs evaluated so far."
+    "Per-run effects, step times and the paired arm - sync differences of the runs evaluated so far."
     metrics, evals, _ = demo_frames(out)
     evals = evals.filter(pl.col("key_temperature") == 0.0)   # the greedy rows, not the demo's own sampled ones
     fx = seed_effects(metrics, evals).with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
@@ -62,20 +74,27 @@ def summarize(done: list) -> dict:
              .group_by("variant").agg(pl.col("seconds").median().alias("median_s_per_step"),
                                      pl.col("time/rollout").median().alias("median_rollout_s"),
                                      pl.col("time/train").median().alias("median_train_s")))
+    ages = (metrics.with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
+            .group_by("variant").agg(pl.col("rollout_age").mean().alias("mean_rollout_age")))   # every step
+    speed = speed.join(ages, on="variant")
     res = dict(runs=fx.select("run", "variant", "seed", "acc_base", "acc_change", "kl_first", "kl_change").to_dicts(),
                speed=speed.to_dicts(), train=done, seconds=round(time.perf_counter() - t_all, 1))
     w_ = fx.pivot(on="variant", index="seed", values=["acc_change", "kl_change"]).drop_nulls().sort("seed")
     for name in ("acc_change", "kl_change"):
-        if w_.height == 0 or f"{name}_async" not in w_.columns: break
-        a, s = w_[f"{name}_async"].to_list(), w_[f"{name}_sync"].to_list()
-        res[name] = dict(sync=seed_interval(s), async_=seed_interval(a),
-                         diff=seed_interval([x - y for x, y in zip(a, s)]))
+        if w_.height == 0 or f"{name}_sync" not in w_.columns: break
+        s = w_[f"{name}_sync"].to_list()
+        res[name] = dict(sync=seed_interval(s))
+        for arm in arms:
+            if f"{name}_{arm}" not in w_.columns: continue
+            a = w_[f"{name}_{arm}"].to_list()   # drop_nulls above: only seeds with every arm evaluated
+            res[name][arm] = seed_interval(a)
+            res[name][f"diff_{arm}"] = seed_interval([x - y for x, y in zip(a, s)])
     return res
 
 
 done = []
 for seed in sorted({j["seed"] for j in jobs}):
-    pair = [j for j in jobs if j["seed"] == seed]
+    pair = [j for j in jobs if j["seed"] == seed]   # sync and each arm
     done += run_world_jobs(pair, progress=True, engine=engine)
     t0 = time.perf_counter()
     eval_runs([j["run_dir"] for j in pair], test_set, model_path=path, k=1, seeds=(0,), steps=[0, last],
