@@ -6,7 +6,7 @@ over seeds, every run through `opsd.demo.run_world_jobs` (the trainer's own step
 held-out evaluation (100 problems, 128 tokens: the sampled one is uninformative for a 135M model, bench README) of the
 base and of each run's last checkpoint through `opsd.eval.eval_runs` in the same engine. Prints and writes
 per-run effects and the paired arm - sync differences with 95% t-intervals. Seed by seed: each seed's runs are trained,
-evaluated and written to OUT_JSON before the next starts, so a call cut by its time box keeps every finished pair
+evaluated and written to OUT_JSON before the next starts, so a call cut by its time box keeps every finished seed
 (the first run, 2026-12-04, trained 5.5 of 6 runs and evaluated none).
 Usage (H200, after the sets are unpacked):
     python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--arms async|k2,k4|async,k2,k4] [--smoke]
