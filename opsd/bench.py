@@ -354,8 +354,9 @@ E2E_VARIANTS["opsd best + packed"] = dict(E2E_VARIANTS["opsd best"], packed=True
 E2E_VARIANTS["opsd best + liger + packed"] = dict(E2E_VARIANTS["opsd best + liger"], packed=True)
 # each adapted projection's LoRA scale and add in one GEMM (kernels.fuse_lora, the config field `fused_lora`)
 E2E_VARIANTS["opsd best + liger + packed + fused lora"] = dict(E2E_VARIANTS["opsd best + liger + packed"], fused_lora=True)
-# fewer, larger micro-batches: the H100 profile of 2026-12-05 found 0.41 s of the 1.61 s training half with the GPU idle
-# between kernels (host-bound launches); per token, a micro-batch of 16 or 32 launches a half or a quarter as many
+# fewer, larger micro-batches: the H100 profile of 2026-12-05 found the GPU idle between kernels 0.41 s of the 1.61 s
+# training half; a micro-batch's fixed dispatches (about 39,000 ATen calls, counted on CPU) are paid a half or a quarter
+# as often at 16 or 32 (bench/h100-2026-12-05-profile)
 for mb in (16, 32):
     E2E_VARIANTS[f"opsd best + liger + packed (mb {mb})"] = dict(E2E_VARIANTS["opsd best + liger + packed"],
                                                                  micro_batch_size=mb)

@@ -31,7 +31,9 @@ ARMS = {"async": {"async_rollout": True}, "k2": {"steps_per_rollout": 2}, "k4": 
 argv = sys.argv[1:]
 arms = ["async"]
 if "--arms" in argv:
-    i = argv.index("--arms"); arms = argv[i + 1].split(","); del argv[i:i + 2]
+    i = argv.index("--arms")
+    if i + 1 >= len(argv): sys.exit("--arms needs a value, e.g. --arms k2,k4")
+    arms = argv[i + 1].split(","); del argv[i:i + 2]
     bad = [a for a in arms if a not in ARMS]
     if bad: sys.exit(f"--arms: unknown arm(s) {bad}; choose from {sorted(ARMS)}")
 args = [a for a in argv if a != "--smoke"]
@@ -69,14 +71,12 @@ def summarize(done: list) -> dict:
     metrics, evals, _ = demo_frames(out)
     evals = evals.filter(pl.col("key_temperature") == 0.0)   # the greedy rows, not the demo's own sampled ones
     fx = seed_effects(metrics, evals).with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
-    speed = (metrics.filter(pl.col("step") > 1).with_columns(pl.col("run").replace_strict(label, default=None)
-                                                              .alias("variant"))
-             .group_by("variant").agg(pl.col("seconds").median().alias("median_s_per_step"),
-                                     pl.col("time/rollout").median().alias("median_rollout_s"),
-                                     pl.col("time/train").median().alias("median_train_s")))
-    ages = (metrics.with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
-            .group_by("variant").agg(pl.col("rollout_age").mean().alias("mean_rollout_age")))   # every step
-    speed = speed.join(ages, on="variant")
+    m = metrics.with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
+    late = pl.col("step") > 1   # step times after the first (warm-up); the rollout age over every step
+    speed = m.group_by("variant").agg(pl.col("seconds").filter(late).median().alias("median_s_per_step"),
+                                      pl.col("time/rollout").filter(late).median().alias("median_rollout_s"),
+                                      pl.col("time/train").filter(late).median().alias("median_train_s"),
+                                      pl.col("rollout_age").mean().alias("mean_rollout_age"))
     res = dict(runs=fx.select("run", "variant", "seed", "acc_base", "acc_change", "kl_first", "kl_change").to_dicts(),
                speed=speed.to_dicts(), train=done, seconds=round(time.perf_counter() - t_all, 1))
     w_ = fx.pivot(on="variant", index="seed", values=["acc_change", "kl_change"]).drop_nulls().sort("seed")
