@@ -646,18 +646,27 @@ def kernel_breakdown(prof, cuda: bool) -> dict:
 @contextmanager
 def training_profile(tr, into: dict):
     """Profile the training half (`backward_all` + `update`) of the steps run inside: fills `into` with `wall_s` (under
-    the profiler), `kernels_s` (their sum), `gap_s` and the classes of `kernel_breakdown`."""
+    the profiler), `kernels_s` (their sum), `gap_s` and the classes of `kernel_breakdown`; and what tells the gaps'
+    cause apart: `host_s`, the time until the calls returned to Python (the GPU's queue not yet drained), `launches`
+    (kernels on a GPU, ATen operators on a CPU) and `syncs` (the host waiting for the device inside the calls). With
+    `host_s` near `wall_s` and few `syncs`, the host issued kernels no faster than the GPU ran them: launch-bound."""
     from torch.profiler import profile, ProfilerActivity
+    from torch.autograd import DeviceType
     cuda = tr.acc.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    back, upd, spans, parts = tr.backward_all, tr.update, [], []
+    back, upd, spans, hosts, parts, counts = tr.backward_all, tr.update, [], [], [], []
+    waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
     def timed(fn):   # each call under its own profiler: the rollout and the sync between them stay out
         def run(*a, **k):
             with profile(activities=acts) as prof:
                 if cuda: torch.cuda.synchronize()
-                t = time.perf_counter(); out = fn(*a, **k)
+                t = time.perf_counter(); out = fn(*a, **k); hosts.append(time.perf_counter() - t)
                 if cuda: torch.cuda.synchronize()
                 spans.append(time.perf_counter() - t)
+            ev = prof.key_averages()
+            counts.append((sum(e.count for e in ev if ((e.device_type == DeviceType.CUDA) if cuda
+                                                          else e.key.startswith("aten::"))),
+                           sum(e.count for e in ev if e.key in waits) - 2 * cuda))   # less this wrapper's two
             parts.append(kernel_breakdown(prof, cuda)); return out
         return run
     tr.backward_all, tr.update = timed(back), timed(upd)
@@ -666,6 +675,7 @@ def training_profile(tr, into: dict):
     classes = {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
     into.update(wall_s=sum(spans), kernels_s=sum(classes.values()), **classes)
     into["gap_s"] = into["wall_s"] - into["kernels_s"]
+    into.update(host_s=sum(hosts), launches=sum(c[0] for c in counts), syncs=sum(c[1] for c in counts))
 
 def profile_table(rows: list[dict]) -> str:
     "The training half of each profiled row: its time under the profiler, the kernels' time by class, the gaps."
@@ -674,7 +684,8 @@ def profile_table(rows: list[dict]) -> str:
     cols = [("variant", "variant (one step, training half, under torch.profiler)", ""), ("wall_s", "wall s", ".2f"),
             ("kernels_s", "kernels s", ".2f"), ("gap_s", "gaps s", ".2f")]
     return format_table(out, cols + [(k, f"{k} s", ".2f") for k, _ in KERNEL_CLASSES] +
-                        [("Triton + other", "Triton + other s", ".2f")])
+                        [("Triton + other", "Triton + other s", ".2f"), ("host_s", "host s", ".2f"),
+                         ("launches", "launches", ",.0f"), ("syncs", "syncs", ",.0f")])
 
 # %% ../nbs/12_bench.ipynb #3ec34fa4
 def model_costs(config, # a transformers config of a Llama/Qwen3-shaped decoder
