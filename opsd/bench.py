@@ -385,8 +385,9 @@ for n in (64, 80, 96):
 for k in (2, 4):
     E2E_VARIANTS[f"opsd best + liger + packed ({k} steps per rollout)"] = dict(E2E_VARIANTS["opsd best + liger + packed"],
                                                                              steps_per_rollout=k)
-E2E_VARIANTS["opsd best + liger + async + packed (2 steps per rollout)"] = dict(
-    E2E_VARIANTS["opsd best + liger + async + packed"], steps_per_rollout=2)
+for k in (2, 4):
+    E2E_VARIANTS[f"opsd best + liger + async + packed ({k} steps per rollout)"] = dict(
+        E2E_VARIANTS["opsd best + liger + async + packed"], steps_per_rollout=k)
 # a departure: the rollout samples from the student's weights quantized to fp8, with an fp8 KV cache (its own engine)
 FP8_ROLLOUT = dict(rollout_quantization="fp8", rollout_kv_cache="fp8")
 E2E_VARIANTS["opsd best + liger + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + liger"], **FP8_ROLLOUT)

@@ -5,13 +5,13 @@
 # %% ../nbs/04_collate.ipynb #973f8b6f
 from __future__ import annotations
 import operator, statistics
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Sequence
 import torch
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'PAD_MODES', 'PAD_SIDES', 'as_ids', 'eos_set', 'trim_at_eos', 'pad_eos_ids', 'position_ids_from_mask',
-           'pad_rows', 'left_pad', 'padded_batch', 'OPSDBatch', 'prompt_completion_layout', 'collate',
+           'pad_rows', 'left_pad', 'padded_batch', 'to_device', 'OPSDBatch', 'prompt_completion_layout', 'collate',
            'completion_logits', 'batch_logits', 'pad_gaps', 'pad_gap_stats']
 
 # %% ../nbs/04_collate.ipynb #730fd626
@@ -108,6 +108,14 @@ def padded_batch(rows: Sequence[Sequence[int]], # B whole sequences of token ids
     return dict(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask) if positions else None)
 
 # %% ../nbs/04_collate.ipynb #a4624dfb
+def to_device(v, device):
+    """`v.to(device)`, except that a CPU tensor bound for CUDA goes through pinned memory without blocking: torch's
+    blocking copy waits for everything queued on the device (a host sync), which leaves the GPU idle until the host has
+    issued the next kernels."""
+    if isinstance(v, torch.Tensor) and v.device.type == "cpu" and torch.device(device).type == "cuda":
+        return v.pin_memory().to(device, non_blocking=True)
+    return v.to(device)
+
 @dataclass
 class OPSDBatch:
     "Student and teacher inputs for one OPSD step; the completion fills the last `completion_len` columns of both."
@@ -122,6 +130,8 @@ class OPSDBatch:
     pad_gap: torch.Tensor  # (B,) teacher pads between prompt and completion (0 when aligned)
     student_pad_gap: torch.Tensor  # (B,) the same for the student
     mode: str  # "aligned" | "released"
+    host: dict = field(default_factory=dict)  # derived on the host before the batch moved (`opsd.train`: the packed
+    #   rows, the valid positions), moved with it, so that a GPU batch need not be copied back (a host sync) to get them
 
     def __len__(self): return self.labels.shape[0]
 
@@ -138,9 +148,11 @@ class OPSDBatch:
                     position_ids=getattr(self, f"{who}_position_ids"))
 
     def to(self, device) -> "OPSDBatch":
-        "A copy with every tensor moved to `device`."
-        return OPSDBatch(**{f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
-                            for f in fields(self)})
+        "A copy with every tensor, and every entry of `host` (tensors or objects with a `to`), on `device` (`to_device`)."
+        move = lambda v: (to_device(v, device) if isinstance(v, torch.Tensor) else
+                          {k: move(x) for k, x in v.items()} if isinstance(v, dict) else
+                          v.to(device) if hasattr(v, "to") else v)
+        return OPSDBatch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 # %% ../nbs/04_collate.ipynb #cb599b5f
 def prompt_completion_layout(prompts: Sequence[Sequence[int]], # B prompt rows (validated, non-empty)

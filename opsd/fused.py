@@ -134,6 +134,8 @@ def fused_divergence(student_hidden: torch.Tensor, # (..., H) final hidden state
                      chunk_fn: ChunkFn | None = None, # the per-chunk math (None: `chunk_divergence`, torch)
                      compile: bool | None = None, # torch.compile `chunk_divergence` (default: on CUDA; torch math only)
                      closed_form: bool = False, # torch math only: the gradient in closed form instead of autograd
+                     valid_index: torch.Tensor | None = None, # the flat positions where labels != -100, found on the
+                     #   host beforehand (`opsd.packing.host_prepared`): finding them here on a GPU is a host sync
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: # loss scalar, per-position tensors (...,)
     "`opsd_loss` and `clip_diagnostics` from hidden states and the lm_head weight, chunked so full logits never exist."
     if student_hidden.shape != teacher_hidden.shape:
@@ -158,7 +160,7 @@ def fused_divergence(student_hidden: torch.Tensor, # (..., H) final hidden state
         fn, compile = chunk_fn, False
     hs, ht, lab = student_hidden.reshape(-1, H), teacher_hidden.detach().reshape(-1, H), labels.reshape(-1)
     mask = lab != -100
-    idx = mask.nonzero().squeeze(1)                                              # valid positions only
+    idx = mask.nonzero().squeeze(1) if valid_index is None else valid_index.to(lab.device)   # valid positions only
     n = idx.numel()
     denom = max(float(num_items), 1.0) if num_items is not None else max(n, 1)
     opts = dict(beta=beta, temperature=temperature, clip=clip, tau=tau, top_k=top_k, diagnostics=diagnostics,

@@ -4,14 +4,14 @@
 
 # %% ../nbs/05f_packing.ipynb #pk043ad4
 from __future__ import annotations
-import functools, inspect
+import dataclasses, functools, inspect
 from dataclasses import dataclass, fields
 import torch
-from .collate import OPSDBatch
+from .collate import OPSDBatch, to_device
 
 # %% auto #0
-__all__ = ['PACKED', 'Packed', 'pack', 'varlen_reference', 'flash_varlen', 'varlen_attention', 'use_packed_attention',
-           'packed_logits']
+__all__ = ['PACKED', 'Packed', 'pack', 'host_prepared', 'varlen_reference', 'flash_varlen', 'varlen_attention',
+           'use_packed_attention', 'packed_logits']
 
 # %% ../nbs/05f_packing.ipynb #pk079994
 @dataclass
@@ -27,8 +27,12 @@ class Packed:
     #                      indexing on the GPU, which would wait for the host)
 
     def inputs(self) -> dict:
-        "Keyword arguments of the model call; the packed attention reads `cu_seq_lens_*` and `max_length_*`."
-        return dict(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None,
+        """Keyword arguments of the model call; the packed attention reads `cu_seq_lens_*` and `max_length_*`. The
+        attention mask is a (1, 1, 1, 1) placeholder that the packed attention never reads: transformers passes a 4-D
+        mask through as it is, where a missing one makes it look for packed rows in `position_ids` with a test that
+        copies a flag to the host (a device sync at every forward)."""
+        return dict(input_ids=self.input_ids, position_ids=self.position_ids,
+                    attention_mask=self.input_ids.new_ones((1, 1, 1, 1), dtype=torch.bool),
                     cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
                     max_length_q=self.max_len, max_length_k=self.max_len)
 
@@ -39,14 +43,16 @@ class Packed:
         return out.view(*self.shape, *x.shape[1:])
 
     def to(self, device) -> "Packed":
-        "A copy with every tensor on `device`."
-        return Packed(**{f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+        "A copy with every tensor on `device` (`to_device`: from the CPU to CUDA without waiting for the device)."
+        return Packed(**{f.name: (to_device(v, device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
                          for f in fields(self)})
 
 def pack(batch: OPSDBatch, # an aligned micro-batch from `collate`
          who: str = "student", # "student" or "teacher"
         ) -> Packed: # on the batch's device
-    "The rows of one side of an aligned batch end to end, without pad columns, and where the completion logits are."
+    """The rows of one side of an aligned batch end to end, without pad columns, and where the completion logits are.
+    Computed on the host; a batch that carries its packed rows (`host_prepared`) returns them, already on its device."""
+    if (p := batch.host.get(f"packed/{who}")) is not None: return p
     if batch.mode != "aligned":
         raise ValueError(f"pack needs an aligned batch (mode='aligned'), got mode={batch.mode!r}: the released layout "
                          "predicts the first completion token at a pad column, which packing would drop")
@@ -67,6 +73,20 @@ def pack(batch: OPSDBatch, # an aligned micro-batch from `collate`
     if (source < 0).any(): raise ValueError(f"{who}: a completion token follows a pad column")
     return Packed(ids.reshape(-1)[keep][None], pos.reshape(-1)[keep][None], starts.to(torch.int32), int(lens.max()),
                   source, (B, L), target.reshape(-1).nonzero().squeeze(1)).to(inp["input_ids"].device)
+
+# %% ../nbs/05f_packing.ipynb #pk1a0f02
+def host_prepared(batch: OPSDBatch, # a micro-batch on the CPU, before it moves to the device
+                  packed: bool = False, # also pack both sides (`pack`)
+                 ) -> OPSDBatch:
+    """A copy carrying in `host` what a training step would otherwise compute from device tensors, each a host sync:
+    `valid`, the flat positions of the completion tokens (`fused_divergence`'s `valid_index`), and with `packed`
+    `packed/student` and `packed/teacher` (`pack`)."""
+    if batch.labels.device.type != "cpu":
+        raise ValueError(f"host_prepared takes a batch on the CPU (before it moves); its labels are on "
+                         f"{batch.labels.device}")
+    host = dict(batch.host, valid=batch.completion_mask.reshape(-1).nonzero().squeeze(1))
+    if packed: host.update({f"packed/{who}": pack(batch, who) for who in ("student", "teacher")})
+    return dataclasses.replace(batch, host=host)
 
 # %% ../nbs/05f_packing.ipynb #pk125bca
 def varlen_reference(q: torch.Tensor, # (T, Hq, D) queries of the packed sequence

@@ -20,7 +20,7 @@ from .collate import collate, batch_logits, trim_at_eos, PAD_MODES
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
 from .kernels import KERNELS, apply_kernels, fuse_lora
-from .packing import pack, packed_logits, use_packed_attention
+from .packing import host_prepared, pack, packed_logits, use_packed_attention
 from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
 
 # %% auto #0
@@ -747,7 +747,7 @@ def _fused_loss(self: OPSDTrainer, b, num_items):
     fn = chunk_fn_for(cfg.fused_kernel, hs.device, beta=cfg.beta, clip=cfg.clip, top_k=cfg.top_k, vocab=w.shape[0])
     return fused_divergence(hs, ht, w, b.labels, beta=cfg.beta, temperature=cfg.temperature, clip=cfg.clip,
                             tau=cfg.tau, top_k=cfg.top_k, num_items=num_items, chunk_size=cfg.fused_chunk,
-                            diagnostics=True, chunk_fn=fn)
+                            diagnostics=True, chunk_fn=fn, valid_index=b.host.get("valid"))
 
 @patch
 def forward_loss(self: OPSDTrainer, b, num_items=None):
@@ -774,13 +774,14 @@ def forward_loss(self: OPSDTrainer, b, num_items=None):
 def backward_all(self: OPSDTrainer, batches) -> BackwardResult:
     "Forward, loss and backward over the micro-batches under accelerate's accumulation; metric sums, position samples."
     cfg, acc = self.cfg, self.acc
-    n_local = torch.tensor(float(sum(b.num_items for b in batches)), device=acc.device)
-    n_global = acc.reduce(n_local.clone(), reduction="sum") if acc.num_processes > 1 else n_local
+    n_local = float(sum(b.num_items for b in batches))        # counted on the host, before the batches move
+    n_global = (float(acc.reduce(torch.tensor(n_local, device=acc.device), reduction="sum"))   # one sync a step
+                if acc.num_processes > 1 else n_local)
     if len(batches) != self.accum: raise RuntimeError(f"{len(batches)} micro-batches, expected {self.accum}")
     out = BackwardResult({}, torch.zeros((), dtype=torch.float64, device=acc.device), [])
     self.model.train()
-    for b in batches:
-        b = b.to(acc.device)
+    for b in batches:   # packed rows and valid positions found on the host, then non-blocking copies: no host sync
+        b = (host_prepared(b, cfg.packed) if b.labels.device.type == "cpu" else b).to(acc.device)
         with acc.accumulate(self.model):
             if cfg.normalize == "global":
                 loss, diag = self.forward_loss(b, n_global)

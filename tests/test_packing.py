@@ -117,6 +117,31 @@ def test_packed_step_on_cuda_is_close(tmp_path_factory, toy_problems, tmp_path, 
         assert rows[True][k] == pytest.approx(rows[False][k], rel=3e-2), k
 
 
+@pytest.mark.skipif(not CUDA, reason="host syncs are a CUDA matter")
+@pytest.mark.parametrize("packed", [True, False])
+def test_training_half_waits_for_the_device_nowhere_on_cuda(tmp_path_factory, toy_problems, tmp_path, packed):
+    """`backward_all` of a bf16 step (fused loss; packed or padded aligned) runs under torch's sync debug mode set to
+    'error': no blocking copy, `.cpu()`, `nonzero` or `float` of a device tensor between the rollout and the update.
+    On an H100 (2026-12-05) the packed step waited 120 times (30 per micro-batch) and the GPU never ran ahead of the
+    host. Breaks that made it fail: `b.to(device)` without `host_prepared` (pack copies the mask back); `num_items` as
+    a device tensor (`float` in the loss)."""
+    from conftest import _tiny_qwen3
+    ckpt = _tiny_qwen3(tmp_path_factory, "sync-qwen3", seed=1, initializer_range=0.2, hidden_size=64, head_dim=16)
+    cfg = OPSDConfig.toy(model=str(ckpt), run_dir=str(tmp_path / "run"), steps=2, batch_size=8, micro_batch_size=4,
+                         max_completion_length=12, padding="aligned", log_positions=0, dtype="bfloat16", fused=True,
+                         packed=packed, rollout="hf")
+    tr = OPSDTrainer(cfg, toy_problems, progress=False)
+    tr.step(1)                                    # first step: Triton's compiles, lazy allocations
+    back = tr.backward_all
+    def strict(batches):
+        torch.cuda.synchronize(); torch.cuda.set_sync_debug_mode("error")
+        try: return back(batches)
+        finally: torch.cuda.set_sync_debug_mode("default")
+    tr.backward_all = strict
+    row = tr.step(2)
+    assert row["tokens"] > 0 and row["grad_norm"] > 0
+
+
 def _fake_varlen(api: str):
     """A stand-in for torch's `varlen_attn` with the signature of one torch release, computing per-row sdpa on the CPU:
     '2.10' (is_causal, no scale, equal head counts) or '2.12' (window_size, scale, enable_gqa)."""

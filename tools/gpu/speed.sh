@@ -19,6 +19,10 @@
 #           the vLLM test of tests/test_steps_per_rollout.py
 #   decode  `python -m opsd.bench rollout --batches 32,64,128,256`: vLLM's decoding step at each row count, with the
 #           released sampling (first call of each size apart): what one engine call for k steps costs
+#   syncs   the training half's host syncs, before and after: `python -m opsd.bench e2e --steps 1 --warmup 0 --profile`
+#           of VARIANTS (default the packed Liger row) run from OLD (a folder holding an older opsd/, e.g. from
+#           `git archive 3f943ab opsd | tar -x -C .gpu-carry/old`), then from this tree; then the CUDA no-sync tests of
+#           tests/test_packing.py and tools/gpu/find_syncs.py (needs no vLLM: HF generate samples without it)
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
 #           (ARMS=k2,k4: sync vs steps_per_rollout 2 and 4 instead; with the smollm2 set carried too)
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
@@ -75,6 +79,30 @@ STEPS_VARIANTS="released,opsd best + liger + packed,opsd best + liger + packed (
 STEPS_VARIANTS="$STEPS_VARIANTS,opsd best + liger + packed (4 steps per rollout)"
 STEPS_VARIANTS="$STEPS_VARIANTS,opsd best + liger + async + packed (2 steps per rollout)"
 case ${1:-} in
+syncs)
+  liger
+  [ -f $MODEL/config.json ] || python3 -c "from opsd.bench import random_qwen3_checkpoint as r; print(r('$MODEL'))" 2>&1 | grep -v Warn | tail -1
+  V=${VARIANTS:-opsd best + liger + packed}
+  for who in old new; do
+    dir=$PWD; [ $who = old ] && dir=${OLD:?OLD=folder holding the older opsd/}
+    left=$(( ${LIMIT:-530} - ${RESERVE:-60} - ($(date +%s) - T_START) )); [ $who = old ] && left=$(( left / 2 ))
+    echo "+ ($who: $dir) python3 -m opsd.bench e2e --steps 1 --warmup 0 --profile --no-bracket --variants \"$V\"  (time box $left s)"
+    (cd $dir && timeout $left python3 -m opsd.bench e2e --model $MODEL --steps 1 --warmup 0 --profile --no-bracket \
+       --variants "$V" --jsonl $OUT/syncs_$who.jsonl > $OUT/syncs_$who.log 2>&1; echo "rc=$?")
+    grep -E '^\{"variant' $OUT/syncs_$who.log | tail -3
+  done
+  python3 -c "
+import json, sys; from opsd.bench import e2e_report
+for w in ('old', 'new'):
+    try: rows = [json.loads(l) for l in open(f'$OUT/syncs_{w}.jsonl')]
+    except FileNotFoundError: print(w, 'no rows'); continue
+    for r in rows: r['variant'] = f\"{r['variant']} ({w})\"
+    print(e2e_report(rows))" | tee "$OUT/syncs.md"
+  timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 -m pytest -q -rs tests/test_packing.py -k "cuda" \
+    -p no:cacheprovider 2>&1 | tee "$OUT/test_packing_cuda.log" | tail -4
+  timeout $(( ${LIMIT:-530} - ($(date +%s) - T_START) - 5 )) python3 tools/gpu/find_syncs.py $MODEL 2>&1 \
+    | grep -v "^WARNING:liger" > "$OUT/find_syncs.out"; tail -1 "$OUT/find_syncs.out"
+  ;;
 decode)
   [ -f $MODEL/config.json ] || python3 -c "from opsd.bench import random_qwen3_checkpoint as r; print(r('$MODEL'))" 2>&1 | grep -v Warn | tail -1
   t0=$(date +%s)
