@@ -20,7 +20,7 @@
 #   decode  `python -m opsd.bench rollout --batches 32,64,128,256`: vLLM's decoding step at each row count, with the
 #           released sampling (first call of each size apart): what one engine call for k steps costs
 #   syncs   the training half's host syncs, before and after: `python -m opsd.bench e2e --steps 1 --warmup 0 --profile`
-#           of VARIANTS (default the packed Liger row) run from OLD (a folder holding an older opsd/, e.g. from
+#           of VARIANTS (default the packed Liger row) run from OLD if set (a folder holding an older opsd/, e.g. from
 #           `git archive 3f943ab opsd | tar -x -C .gpu-carry/old`), then from this tree; then the CUDA no-sync tests of
 #           tests/test_packing.py and tools/gpu/find_syncs.py (needs no vLLM: HF generate samples without it)
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
@@ -83,8 +83,8 @@ syncs)
   liger
   [ -f $MODEL/config.json ] || python3 -c "from opsd.bench import random_qwen3_checkpoint as r; print(r('$MODEL'))" 2>&1 | grep -v Warn | tail -1
   V=${VARIANTS:-opsd best + liger + packed}
-  for who in old new; do
-    dir=$PWD; [ $who = old ] && dir=${OLD:?OLD=folder holding the older opsd/}
+  for who in ${OLD:+old} new; do   # without OLD: this tree only
+    dir=$PWD; [ $who = old ] && dir=$OLD
     left=$(( ${LIMIT:-530} - ${RESERVE:-60} - ($(date +%s) - T_START) )); [ $who = old ] && left=$(( left / 2 ))
     echo "+ ($who: $dir) python3 -m opsd.bench e2e --steps 1 --warmup 0 --profile --no-bracket --variants \"$V\"  (time box $left s)"
     (cd $dir && timeout $left python3 -m opsd.bench e2e --model $MODEL --steps 1 --warmup 0 --profile --no-bracket \
