@@ -117,6 +117,41 @@ def test_packed_step_on_cuda_is_close(tmp_path_factory, toy_problems, tmp_path, 
         assert rows[True][k] == pytest.approx(rows[False][k], rel=3e-2), k
 
 
+# ATen operators whose result the host must read (on a GPU each waits for the device): `nonzero` and `masked_select`
+# size their output from the data, `_local_scalar_dense` is `.item()`, `float()`, `int()` and `bool()` of a tensor
+HOST_READS = {"nonzero", "_local_scalar_dense", "is_nonzero", "masked_select", "unique", "repeat_interleave"}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits"])
+def test_packed_step_reads_nothing_back_after_the_move(sharp_ckpt, toy_problems, tmp_path, fused):
+    """Between a packed micro-batch's move to the device and the update (forward, loss, backward), no operator whose
+    result the host reads: on a GPU each is a sync that leaves the device idle (120 in the H100's training half before
+    `host_prepared`). Counted on the CPU with a dispatch mode, so it runs everywhere; the CUDA test below checks the
+    same with torch's sync debug mode. Breaks that made it fail (reads in the fused step's two micro-batches): the
+    batch moved without `host_prepared` (22: `pack` on the moved batch, the loss's `nonzero`); `fused_divergence`
+    without `valid_index` (2); no attention mask (transformers' packed-row test, 4); the tree of 3f943ab (28)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    cfg = OPSDConfig.toy(model=str(sharp_ckpt), run_dir=str(tmp_path / "run"), steps=2, batch_size=4, micro_batch_size=2,
+                         max_completion_length=8, padding="aligned", log_positions=0, dtype="float32", fused=fused,
+                         packed=True)
+    tr = OPSDTrainer(cfg, toy_problems, progress=False)
+    tr.step(1)
+    reads = []
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in HOST_READS: reads.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    fl, bw = tr.forward_loss, tr.acc.backward
+    def forward_loss(*a, **k):
+        with Reads(): return fl(*a, **k)
+    def backward(*a, **k):
+        with Reads(): return bw(*a, **k)
+    tr.forward_loss, tr.acc.backward = forward_loss, backward
+    row = tr.step(2)
+    assert row["tokens"] > 0 and row["grad_norm"] > 0
+    assert reads == [], reads
+
+
 @pytest.mark.skipif(not CUDA, reason="host syncs are a CUDA matter")
 @pytest.mark.parametrize("packed", [True, False])
 def test_training_half_waits_for_the_device_nowhere_on_cuda(tmp_path_factory, toy_problems, tmp_path, packed):
