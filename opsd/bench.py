@@ -18,8 +18,8 @@ __all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'FP8_ROLLOUT',
            'naive_loss', 'run_loss_variant', 'reference_grad', 'loss_bench_cpu', 'loss_bench_cuda', 'format_table',
            'loss_table', 'random_qwen3_checkpoint', 'bench_problems', 'rollout_bench', 'rollout_table',
            'cut_completions', 'spread_lengths', 'e2e_bench', 'baseline_drift', 'e2e_table', 'overlap_table',
-           'targets_table', 'e2e_report', 'floors_table', 'kernel_breakdown', 'training_profile', 'profile_table',
-           'model_costs', 'phase_floors', 'device_rates', 'main']
+           'targets_table', 'e2e_report', 'floors_table', 'kernel_class', 'kernel_times', 'kernel_breakdown',
+           'training_profile', 'profile_table', 'model_costs', 'phase_floors', 'device_rates', 'main']
 
 # %% ../nbs/12_bench.ipynb #f44ed421
 def sync(device) -> None:
@@ -629,33 +629,45 @@ KERNEL_CLASSES = (("attention", r"flash|fmha|attention|varlen|sdpa"),
                   ("GEMM", r"gemm|gemv|cutlass|xmma|nvjet|cublas|aten::mm$|aten::addmm|aten::bmm|aten::baddbmm"),
                   ("ATen elementwise + copy", r"at::native|at::|aten::|elementwise|vectorized|reduce|Memcpy|Memset"))
 
-def kernel_breakdown(prof, cuda: bool) -> dict:
-    """Seconds of self time per `KERNEL_CLASSES` class (and 'Triton + other') in a finished `torch.profiler.profile`:
-    CUDA kernels on a GPU; on a CPU ATen's operators, which do the work there (the autograd wrappers are left out: the
-    backward call's own span, on the calling thread, covers the engine thread's operators and would count them twice)."""
+def kernel_class(name: str) -> str:
+    "The `KERNEL_CLASSES` class of a kernel's (operator's) name, else 'Triton + other'."
     import re
+    return next((k for k, pat in KERNEL_CLASSES if re.search(pat, name, re.I)), "Triton + other")
+
+def kernel_times(prof, cuda: bool) -> dict[str, tuple[int, float]]:
+    """Each kernel's count and seconds of self time in a finished `torch.profiler.profile`: CUDA kernels on a GPU; on a
+    CPU ATen's operators, which do the work there (the autograd wrappers are left out: the backward call's own span, on
+    the calling thread, covers the engine thread's operators and would count them twice)."""
     from torch.autograd import DeviceType
-    out = {k: 0.0 for k, _ in KERNEL_CLASSES} | {"Triton + other": 0.0}
+    out = {}
     for e in prof.key_averages():
         if (e.device_type != DeviceType.CUDA) if cuda else not e.key.startswith("aten::"): continue
         t = (getattr(e, "self_device_time_total", 0) if cuda else getattr(e, "self_cpu_time_total", 0)) / 1e6
-        if t <= 0: continue
-        k = next((k for k, pat in KERNEL_CLASSES if re.search(pat, e.key, re.I)), "Triton + other")
-        out[k] += t
+        out[e.key] = (e.count, t)
     return out
 
+def _by_class(times: dict) -> dict:
+    out = {k: 0.0 for k, _ in KERNEL_CLASSES} | {"Triton + other": 0.0}
+    for name, (_, t) in times.items():
+        if t > 0: out[kernel_class(name)] += t
+    return out
+
+def kernel_breakdown(prof, cuda: bool) -> dict:
+    "Seconds of self time per `KERNEL_CLASSES` class (and 'Triton + other') of `kernel_times`."
+    return _by_class(kernel_times(prof, cuda))
+
 @contextmanager
-def training_profile(tr, into: dict):
+def training_profile(tr, into: dict, top: int = 15):
     """Profile the training half (`backward_all` + `update`) of the steps run inside: fills `into` with `wall_s` (under
     the profiler), `kernels_s` (their sum), `gap_s` and the classes of `kernel_breakdown`; and what tells the gaps'
     cause apart: `host_s`, the time until the calls returned to Python (the GPU's queue not yet drained), `launches`
     (kernels on a GPU, ATen operators on a CPU) and `syncs` (the host waiting for the device inside the calls). With
-    `host_s` near `wall_s` and few `syncs`, the host issued kernels no faster than the GPU ran them: launch-bound."""
+    `host_s` near `wall_s` and few `syncs`, the host issued kernels no faster than the GPU ran them: launch-bound.
+    `top` lists the kernels (operators on a CPU) with the most time: name, class, count, seconds."""
     from torch.profiler import profile, ProfilerActivity
-    from torch.autograd import DeviceType
     cuda = tr.acc.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    back, upd, spans, hosts, parts, counts = tr.backward_all, tr.update, [], [], [], []
+    back, upd, spans, hosts, parts, counts, per = tr.backward_all, tr.update, [], [], [], [], {}
     waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
     def timed(fn):   # each call under its own profiler: the rollout and the sync between them stay out
         def run(*a, **k):
@@ -665,10 +677,10 @@ def training_profile(tr, into: dict):
                 if cuda: torch.cuda.synchronize()
                 spans.append(time.perf_counter() - t)
             ev = prof.key_averages()
-            counts.append((sum(e.count for e in ev if ((e.device_type == DeviceType.CUDA) if cuda
-                                                          else e.key.startswith("aten::"))),
-                           sum(e.count for e in ev if e.key in waits) - 2 * cuda))   # less this wrapper's two
-            parts.append(kernel_breakdown(prof, cuda)); return out
+            counts.append(sum(e.count for e in ev if e.key in waits) - 2 * cuda)   # less this wrapper's two
+            kt = kernel_times(prof, cuda)       # each kernel's count and time, summed over the calls
+            for k, (n, secs) in kt.items(): per[k] = (per.get(k, (0, 0.0))[0] + n, per.get(k, (0, 0.0))[1] + secs)
+            parts.append(_by_class(kt)); return out
         return run
     tr.backward_all, tr.update = timed(back), timed(upd)
     try: yield into
@@ -676,7 +688,9 @@ def training_profile(tr, into: dict):
     classes = {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
     into.update(wall_s=sum(spans), kernels_s=sum(classes.values()), **classes)
     into["gap_s"] = into["wall_s"] - into["kernels_s"]
-    into.update(host_s=sum(hosts), launches=sum(c[0] for c in counts), syncs=sum(c[1] for c in counts))
+    into.update(host_s=sum(hosts), launches=sum(n for n, _ in per.values()), syncs=sum(counts))
+    into["top"] = [dict(name=k[:90], kind=kernel_class(k), count=n, s=t)
+                   for k, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]]
 
 def profile_table(rows: list[dict]) -> str:
     "The training half of each profiled row: its time under the profiler, the kernels' time by class, the gaps."
@@ -684,9 +698,13 @@ def profile_table(rows: list[dict]) -> str:
     if not out: return ""
     cols = [("variant", "variant (one step, training half, under torch.profiler)", ""), ("wall_s", "wall s", ".2f"),
             ("kernels_s", "kernels s", ".2f"), ("gap_s", "gaps s", ".2f")]
-    return format_table(out, cols + [(k, f"{k} s", ".2f") for k, _ in KERNEL_CLASSES] +
-                        [("Triton + other", "Triton + other s", ".2f"), ("host_s", "host s", ".2f"),
-                         ("launches", "launches", ",.0f"), ("syncs", "syncs", ",.0f")])
+    table = format_table(out, cols + [(k, f"{k} s", ".2f") for k, _ in KERNEL_CLASSES] +
+                         [("Triton + other", "Triton + other s", ".2f"), ("host_s", "host s", ".2f"),
+                          ("launches", "launches", ",.0f"), ("syncs", "syncs", ",.0f")])
+    tops = [dict(variant=r["variant"], **k) for r in rows if r.get("profile") for k in r["profile"].get("top", [])]
+    return table + ("\n\n" + format_table(tops, [("variant", "variant", ""), ("name", "kernel (the most time first)", ""),
+                                                 ("kind", "class", ""), ("count", "count", ",.0f"),
+                                                 ("s", "s", ".3f")]) if tops else "")
 
 # %% ../nbs/12_bench.ipynb #3ec34fa4
 def model_costs(config, # a transformers config of a Llama/Qwen3-shaped decoder
