@@ -11,7 +11,7 @@ from .collate import OPSDBatch, to_device
 
 # %% auto #0
 __all__ = ['PACKED', 'Packed', 'pack', 'host_prepared', 'varlen_reference', 'flash_varlen', 'varlen_attention',
-           'use_packed_attention', 'packed_logits']
+           'use_packed_attention', 'packed_inputs', 'packed_logits']
 
 # %% ../nbs/05f_packing.ipynb #pk079994
 @dataclass
@@ -168,7 +168,18 @@ def use_packed_attention(model, # an HF causal LM or a peft wrapper of one
     lm.set_attn_implementation(name)
     return model
 
+def packed_inputs(model, p: Packed) -> dict:
+    """`p.inputs()` for `model` (peft- or DDP-wrapped or not), which must run the packed attention: its own would read
+    the placeholder mask and attend across rows."""
+    m = model.module if hasattr(model, "module") and not hasattr(model, "get_base_model") else model
+    lm = m.get_base_model() if hasattr(m, "get_base_model") else m
+    name = str(getattr(lm.config, "_attn_implementation", None))
+    if not name.startswith(PACKED):
+        raise ValueError(f"packed inputs need the packed attention; this model runs {name!r}: call "
+                         "use_packed_attention(model) first")
+    return p.inputs()
+
 def packed_logits(model, p: Packed) -> torch.Tensor: # (B, L, V), zeros where a row has no completion token
     "The completion logits of a packed batch in the padded completion layout (only N rows of the LM head computed)."
-    out = model(**p.inputs(), logits_to_keep=p.source, use_cache=False)
+    out = model(**packed_inputs(model, p), logits_to_keep=p.source, use_cache=False)
     return p.spread((out.logits if hasattr(out, "logits") else out[0])[0])

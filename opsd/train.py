@@ -20,7 +20,7 @@ from .collate import collate, batch_logits, trim_at_eos, PAD_MODES
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
 from .kernels import KERNELS, apply_kernels, fuse_lora
-from .packing import host_prepared, pack, packed_logits, use_packed_attention
+from .packing import host_prepared, pack, packed_inputs, packed_logits, use_packed_attention
 from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
 
 # %% auto #0
@@ -523,7 +523,7 @@ def _final_hidden(model, b, who: str, packed: bool = False):
     dec, _ = decoder_of(model.module if hasattr(model, "module") and not hasattr(model, "get_base_model") else model)
     p, got = pack(b, who) if packed else None, {}
     hook = dec.norm.register_forward_hook(lambda m, i, o: got.__setitem__("h", o))
-    try: model(**(p.inputs() if p else b.inputs(who)), logits_to_keep=1, use_cache=False)   # the rest: hidden states
+    try: model(**(packed_inputs(model, p) if p else b.inputs(who)), logits_to_keep=1, use_cache=False)   # the rest: hidden states
     finally: hook.remove()
     return p.spread(got["h"][0, p.source]) if p else got["h"][:, -b.completion_len - 1:-1]
 
