@@ -634,13 +634,13 @@ def kernel_class(name: str) -> str:
     import re
     return next((k for k, pat in KERNEL_CLASSES if re.search(pat, name, re.I)), "Triton + other")
 
-def kernel_times(prof, cuda: bool) -> dict[str, tuple[int, float]]:
-    """Each kernel's count and seconds of self time in a finished `torch.profiler.profile`: CUDA kernels on a GPU; on a
-    CPU ATen's operators, which do the work there (the autograd wrappers are left out: the backward call's own span, on
-    the calling thread, covers the engine thread's operators and would count them twice)."""
+def kernel_times(events, cuda: bool) -> dict[str, tuple[int, float]]:
+    """Each kernel's count and seconds of self time in a finished profile's `key_averages()`: CUDA kernels on a GPU; on
+    a CPU ATen's operators, which do the work there (the autograd wrappers are left out: the backward call's own span,
+    on the calling thread, covers the engine thread's operators and would count them twice)."""
     from torch.autograd import DeviceType
     out = {}
-    for e in prof.key_averages():
+    for e in events:
         if (e.device_type != DeviceType.CUDA) if cuda else not e.key.startswith("aten::"): continue
         t = (getattr(e, "self_device_time_total", 0) if cuda else getattr(e, "self_cpu_time_total", 0)) / 1e6
         out[e.key] = (e.count, t)
@@ -654,7 +654,7 @@ def _by_class(times: dict) -> dict:
 
 def kernel_breakdown(prof, cuda: bool) -> dict:
     "Seconds of self time per `KERNEL_CLASSES` class (and 'Triton + other') of `kernel_times`."
-    return _by_class(kernel_times(prof, cuda))
+    return _by_class(kernel_times(prof.key_averages(), cuda))
 
 @contextmanager
 def training_profile(tr, into: dict, top: int = 15):
@@ -667,7 +667,7 @@ def training_profile(tr, into: dict, top: int = 15):
     from torch.profiler import profile, ProfilerActivity
     cuda = tr.acc.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    back, upd, spans, hosts, parts, counts, per = tr.backward_all, tr.update, [], [], [], [], {}
+    back, upd, spans, hosts, counts, per = tr.backward_all, tr.update, [], [], [], {}
     waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
     def timed(fn):   # each call under its own profiler: the rollout and the sync between them stay out
         def run(*a, **k):
@@ -678,14 +678,14 @@ def training_profile(tr, into: dict, top: int = 15):
                 spans.append(time.perf_counter() - t)
             ev = prof.key_averages()
             counts.append(sum(e.count for e in ev if e.key in waits) - 2 * cuda)   # less this wrapper's two
-            kt = kernel_times(prof, cuda)       # each kernel's count and time, summed over the calls
-            for k, (n, secs) in kt.items(): per[k] = (per.get(k, (0, 0.0))[0] + n, per.get(k, (0, 0.0))[1] + secs)
-            parts.append(_by_class(kt)); return out
+            for k, (n, secs) in kernel_times(ev, cuda).items():   # each kernel's count and time, over the calls
+                n0, s0 = per.get(k, (0, 0.0)); per[k] = (n0 + n, s0 + secs)
+            return out
         return run
     tr.backward_all, tr.update = timed(back), timed(upd)
     try: yield into
     finally: del tr.backward_all, tr.update     # the class's methods again
-    classes = {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
+    classes = _by_class(per) if spans else {}
     into.update(wall_s=sum(spans), kernels_s=sum(classes.values()), **classes)
     into["gap_s"] = into["wall_s"] - into["kernels_s"]
     into.update(host_s=sum(hosts), launches=sum(n for n, _ in per.values()), syncs=sum(counts))

@@ -152,12 +152,17 @@ def _packed_attention(base: str):
     attention.__name__ = f"packed_attention_{base}"
     return attention
 
+def _causal_lm(model):
+    "The HF causal LM inside a peft and/or DDP wrapper (or the model itself)."
+    m = model.module if hasattr(model, "module") and not hasattr(model, "get_base_model") else model
+    return m.get_base_model() if hasattr(m, "get_base_model") else m
+
 def use_packed_attention(model, # an HF causal LM or a peft wrapper of one
                         ):
     "Let `model` take `Packed.inputs()`: varlen attention when given `cu_seq_lens_q`, its own attention otherwise."
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = _causal_lm(model)
     base = lm.config._attn_implementation
     if base.startswith(PACKED): return model
     if base not in ("sdpa", "eager"):
@@ -171,9 +176,7 @@ def use_packed_attention(model, # an HF causal LM or a peft wrapper of one
 def packed_inputs(model, p: Packed) -> dict:
     """`p.inputs()` for `model` (peft- or DDP-wrapped or not), which must run the packed attention: its own would read
     the placeholder mask and attend across rows."""
-    m = model.module if hasattr(model, "module") and not hasattr(model, "get_base_model") else model
-    lm = m.get_base_model() if hasattr(m, "get_base_model") else m
-    name = str(getattr(lm.config, "_attn_implementation", None))
+    name = str(getattr(_causal_lm(model).config, "_attn_implementation", None))
     if not name.startswith(PACKED):
         raise ValueError(f"packed inputs need the packed attention; this model runs {name!r}: call "
                          "use_packed_attention(model) first")
