@@ -15,8 +15,8 @@ from .toy import make_problems, solution_steps
 # %% auto #0
 __all__ = ['SMOLLM2_GGUF_NAME', 'SMOLLM2_GGUF_BYTES', 'SMOLLM2_GGUF_SHA256', 'SMOLLM2_GGUF_ENV', 'SMOLLM2_INSTALL', 'WORD_LEVELS',
            'WORD_DEFAULT_LEVEL', 'SMOLLM2_PROMPT', 'SMOLLM2_RECIPE', 'SMOLLM2_EVAL', 'sha256_file', 'smollm2_gguf',
-           'load_smollm2_gguf', 'smollm2_base', 'logit_agreement', 'word_story', 'word_problems',
-           'smollm2_eval_problems']
+           'gguf_special_ids', 'with_gguf_specials', 'load_smollm2_gguf', 'smollm2_base', 'logit_agreement',
+           'word_story', 'word_problems', 'smollm2_eval_problems']
 
 # %% ../nbs/08b_smollm2.ipynb #f523fd2a
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,13 +55,31 @@ def smollm2_gguf()->Path:
                             f"or set {SMOLLM2_GGUF_ENV} to the path of {SMOLLM2_GGUF_NAME}")
 
 # %% ../nbs/08b_smollm2.ipynb #40a3c4a6
-_SMOLLM2_BUILD = 1  # bump when the conversion below changes: stale caches are rebuilt
+_SMOLLM2_BUILD = 2  # bump when the conversion below changes: stale caches are rebuilt (2: specials from the GGUF)
 _MARKER = "opsd_smollm2.json"
 
 def _require_gguf():
     "The `gguf` package (transformers needs it to read GGUF files), or a clear error."
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"reading {SMOLLM2_GGUF_NAME} needs the `gguf` package: {_HOW}")
+
+_SPECIALS = {"bos": "bos_token", "eos": "eos_token", "padding": "pad_token", "unknown": "unk_token"}
+
+def gguf_special_ids(gguf_path:str|Path, # a .gguf file
+                    )->dict:
+    "The special-token ids the GGUF file declares (`tokenizer.ggml.{bos,eos,padding,unknown}_token_id`), by `gguf`'s reader."
+    _require_gguf()
+    import gguf
+    fields = gguf.GGUFReader(str(gguf_path)).fields
+    return {k: int(f.parts[f.data[0]][0]) for k in _SPECIALS if (f := fields.get(f"tokenizer.ggml.{k}_token_id"))}
+
+def with_gguf_specials(tok, # a tokenizer read from a GGUF file by transformers
+                       ids:dict, # `gguf_special_ids` of that file
+                      ):
+    "`tok` with its bos/eos/pad/unk tokens set to the ids the file declares, whatever the transformers version read."
+    for k, attr in _SPECIALS.items():
+        if k in ids: setattr(tok, attr, tok.convert_ids_to_tokens(ids[k]))
+    return tok
 
 def load_smollm2_gguf(gguf_path:str|Path|None=None, # the .gguf file (default: `smollm2_gguf()`)
                       dtype:str="float32", # dtype of the dequantized weights
@@ -71,7 +89,7 @@ def load_smollm2_gguf(gguf_path:str|Path|None=None, # the .gguf file (default: `
     _require_gguf()
     p = Path(gguf_path) if gguf_path is not None else smollm2_gguf()
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=getattr(torch, dtype))
-    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    tok = with_gguf_specials(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name), gguf_special_ids(p))
     return model.eval(), tok
 
 @contextlib.contextmanager
