@@ -14,7 +14,8 @@ import polars as pl
 __all__ = ['DTYPES', 'disk_full', 'full_error', 'write_bytes', 'append_jsonl', 'jsonl_rows', 'read_jsonl', 'write_atomic',
            'rewrite_jsonl', 'checkpoint_step', 'adapter_dir', 'is_checkpoint', 'RunDir', 'read_metrics',
            'read_positions', 'read_eval', 'read_config', 'latest_checkpoint', 'list_checkpoints', 'run_folders',
-           'RunData', 'read_run', 'torch_dtype', 'with_adapter', 'check_model_path', 'load_tokenizer', 'load_model']
+           'RunData', 'read_run', 'torch_dtype', 'with_adapter', 'check_model_path', 'load_tokenizer',
+           'end_token_mismatch', 'load_model']
 
 # %% ../nbs/05b_runs.ipynb #ee9d6b82
 _FULL = (errno.ENOSPC, errno.EFBIG)   # no space left on the device; a file size limit (ulimit -f, quotas)
@@ -306,6 +307,18 @@ def load_tokenizer(path: str | Path):
     try: return AutoTokenizer.from_pretrained(s)
     except (OSError, ValueError) as e: raise _missing(s, "tokenizer", e) from None
 
+def end_token_mismatch(model, # a causal LM
+                       tok, # the tokenizer loaded beside it
+                      ) -> str | None:
+    "Why the tokenizer's eos is not the model's end token (config.json `eos_token_id`); None when it is, or unknown."
+    want = getattr(model.config, "eos_token_id", None)
+    if want is None or tok.eos_token_id is None: return None
+    ids = sorted(want) if isinstance(want, (list, tuple)) else [want]
+    if tok.eos_token_id in ids: return None
+    return (f"the tokenizer's eos {tok.eos_token!r} (id {tok.eos_token_id}) is not the model's end token "
+            f"{tok.convert_ids_to_tokens(ids)} (config.json eos_token_id {want}): rollouts will stop only at "
+            f"{tok.eos_token!r}; check the tokenizer files (transformers 5.17 misread a GGUF's eos, 08b_smollm2)")
+
 def load_model(path: str | Path, # the base: a `from_pretrained` folder or a hub name
                dtype: str = "float32", # weights' dtype (DTYPES)
                adapter: str | Path | None = None, # a checkpoint folder whose LoRA adapter goes on top
@@ -317,6 +330,7 @@ def load_model(path: str | Path, # the base: a `from_pretrained` folder or a hub
     tok, s = load_tokenizer(path), _check_model_path(path)
     try: model = AutoModelForCausalLM.from_pretrained(s, dtype=dt)
     except (OSError, ValueError) as e: raise _missing(s, "weights", e) from None
+    if (why := end_token_mismatch(model, tok)): warnings.warn(f"model {s}: {why}", stacklevel=2)
     if adapter is not None: model = with_adapter(model, adapter)
     model = model.to(device) if device is not None else model
     return model.eval(), tok
