@@ -519,25 +519,31 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
         if cuda: torch.cuda.empty_cache()
     return rows
 
+def _reference(rows: list[dict]) -> dict:
+    """The row every ratio is taken against: the run's 'released' row wherever it ran (an H100 run puts it last, so
+    that its memory cannot cost the other rows), else the first row."""
+    return next((r for r in rows if r["variant"] == "released" and not r.get("again_of")), rows[0])
+
 def _baseline(rows: list[dict]) -> list[dict]:
-    "The first row and its repeat at the end of the run (`e2e_bench(bracket=True)`), when there is one."
-    return [r for r in rows if r is rows[0] or r.get("again_of") == rows[0]["variant"]]
+    "The reference row and its repeat at the end of the run (`e2e_bench(bracket=True)`), when there is one."
+    ref = _reference(rows)
+    return [r for r in rows if r is ref or r.get("again_of") == ref["variant"]]
 
 def _base_rate(rows: list[dict]) -> float | None:
     "The baseline's tokens/s: the faster of its two measurements (a baseline slowed by the machine inflates nothing)."
     return max((r["tokens_per_s"] for r in _baseline(rows) if r.get("tokens_per_s")), default=None)
 
 def baseline_drift(rows: list[dict]) -> str | None:
-    "One line on the two measurements of the first variant: their s/step and how far apart they are."
+    "One line on the two measurements of the reference variant: their s/step and how far apart they are."
     b = [r.get("s_per_step") for r in _baseline(rows)]
     if len(b) < 2 or None in b: return None
-    return (f"{rows[0]['variant']} measured at the start and at the end of the run: {b[0]:.2f} and {b[1]:.2f} s/step "
+    return (f"{_reference(rows)['variant']} measured at the start and at the end of the run: {b[0]:.2f} and {b[1]:.2f} s/step "
             f"({100 * (b[1] / b[0] - 1):+.0f}%); 'vs' ratios use the faster of the two")
 
 def e2e_table(rows: list[dict]) -> str:
-    """Markdown table of e2e rows, phases against their floors, and tokens/s relative to the first (released) row:
-    the faster of its two measurements when the run measured it again at the end, so that a baseline slowed by the
-    machine cannot inflate a speedup."""
+    """Markdown table of e2e rows, phases against their floors, and tokens/s relative to the released row (the first
+    row when the run has none; `_reference`): the faster of its two measurements when the run measured it again at
+    the end, so that a baseline slowed by the machine cannot inflate a speedup."""
     base = _base_rate(rows)
     out = [{**r, "ratio": r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None,
             "range": f"{r['step_min']:.2f}-{r['step_max']:.2f}" if r.get("step_min") is not None else None}
@@ -549,7 +555,7 @@ def e2e_table(rows: list[dict]) -> str:
                               ("overlap_s", "overlap s", ".2f"), ("train_s", "train s", ".2f"),
                               ("sync_s", "sync s", ".3f"), ("other_s", "other s", ".2f"),
                               ("age", "mean age", ".1f"),
-                              ("tokens_per_s", "completion tok/s", ".0f"), ("ratio", "vs released", ".2f"),
+                              ("tokens_per_s", "completion tok/s", ".0f"), ("ratio", f"vs {_reference(rows)['variant']}", ".2f"),
                               ("peak_gib", "peak GiB", ".1f"), ("rollout_x_floor", "rollout / floor", ".1f"),
                               ("train_x_floor", "train / floor", ".1f"), ("step_x_floor", "step / floor", ".1f"),
                               ("backend", "rollout", ""), ("error", "error", "")])
@@ -577,8 +583,8 @@ TARGETS = dict(step_s=3.0, ratio=2.0, train_s=1.0)   # issue 18: s/step, tokens/
 
 def targets_table(rows: list[dict], targets: dict = TARGETS) -> str:
     """Issue 18's targets against this run's 'opsd best' rows with the released engine and sampling (no fp8 rollout):
-    the fastest step, the best tokens/s against the first row, the shortest synchronous training phase; each with
-    how far it is from its target (0 when met). The ratio's shortfall is in seconds a step: how much faster the
+    the fastest step, the best tokens/s against the released row (`_reference`), the shortest synchronous training
+    phase; each with how far it is from its target (0 when met). The ratio's shortfall is in seconds a step: how much faster the
     row's step must be to reach it."""
     base = _base_rate(rows)
     ours = [r for r in rows if r["variant"].startswith("opsd best") and not r.get("error") and
@@ -592,7 +598,7 @@ def targets_table(rows: list[dict], targets: dict = TARGETS) -> str:
     if base:
         r = max(ours, key=lambda r: r["tokens_per_s"])
         need = r["tokens"] / (targets["ratio"] * base)   # the s/step at which this row's tokens/s is ratio x base
-        out.append(dict(target=f"tokens/s >= {targets['ratio']}x {rows[0]['variant']}", variant=r["variant"],
+        out.append(dict(target=f"tokens/s >= {targets['ratio']}x {_reference(rows)['variant']}", variant=r["variant"],
                         value=f"{r['tokens_per_s'] / base:.2f}x", short=max(r["s_per_step"] - need, 0.0)))
     sync = [r for r in ours if not r.get("async_rollout") and r.get("train_s") is not None]
     if sync:
