@@ -666,35 +666,41 @@ def kernel_breakdown(prof, cuda: bool) -> dict:
 def training_profile(tr, into: dict, top: int = 15):
     """Profile the training half (`backward_all` + `update`) of the steps run inside: fills `into` with `wall_s` (under
     the profiler), `kernels_s` (their sum), `gap_s` and the classes of `kernel_breakdown`; and what tells the gaps'
-    cause apart: `host_s`, the time until the calls returned to Python (the GPU's queue not yet drained), `launches`
-    (kernels on a GPU, ATen operators on a CPU) and `syncs` (the host waiting for the device inside the calls). With
-    `host_s` near `wall_s` and few `syncs`, the host issued kernels no faster than the GPU ran them: launch-bound.
+    cause apart: `backward_s`, the `backward_all` calls' share of `wall_s`, and `host_s`, the time until those calls
+    returned to Python (the GPU's queue not yet drained; `update` is left out of both, since it reads the gradient
+    norm back and so waits for the queue by design), `launches` (kernels on a GPU, ATen operators on a CPU) and
+    `syncs` (the host waiting for the device inside the calls). With `host_s` near `backward_s` and few `syncs`, the
+    host issued kernels no faster than the GPU ran them: launch-bound; with `host_s` well below it, the GPU ran behind
+    a full queue: bound by the kernels.
     `top` lists the kernels (operators on a CPU) with the most time: name, class, count, seconds."""
     from torch.profiler import profile, ProfilerActivity
     cuda = tr.acc.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     back, upd, spans, hosts, counts, per = tr.backward_all, tr.update, [], [], [], {}
+    back_spans = []
     waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-    def timed(fn):   # each call under its own profiler: the rollout and the sync between them stay out
+    def timed(fn, issuing: bool):   # each call under its own profiler: the rollout and the sync between them stay out
         def run(*a, **k):
             with profile(activities=acts) as prof:
                 if cuda: torch.cuda.synchronize()
-                t = time.perf_counter(); out = fn(*a, **k); hosts.append(time.perf_counter() - t)
+                t = time.perf_counter(); out = fn(*a, **k); host = time.perf_counter() - t
                 if cuda: torch.cuda.synchronize()
                 spans.append(time.perf_counter() - t)
+            if issuing: hosts.append(host); back_spans.append(spans[-1])
             ev = prof.key_averages()
             counts.append(sum(e.count for e in ev if e.key in waits) - 2 * cuda)   # less this wrapper's two
             for k, (n, secs) in kernel_times(ev, cuda).items():   # each kernel's count and time, over the calls
                 n0, s0 = per.get(k, (0, 0.0)); per[k] = (n0 + n, s0 + secs)
             return out
         return run
-    tr.backward_all, tr.update = timed(back), timed(upd)
+    tr.backward_all, tr.update = timed(back, True), timed(upd, False)
     try: yield into
     finally: del tr.backward_all, tr.update     # the class's methods again
     classes = _by_class(per) if spans else {}
     into.update(wall_s=sum(spans), kernels_s=sum(classes.values()), **classes)
     into["gap_s"] = into["wall_s"] - into["kernels_s"]
-    into.update(host_s=sum(hosts), launches=sum(n for n, _ in per.values()), syncs=sum(counts))
+    into.update(backward_s=sum(back_spans), host_s=sum(hosts), launches=sum(n for n, _ in per.values()),
+                syncs=sum(counts))
     into["top"] = [dict(name=k[:90], kind=kernel_class(k), count=n, s=t)
                    for k, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]]
 
@@ -705,8 +711,8 @@ def profile_table(rows: list[dict]) -> str:
     cols = [("variant", "variant (one step, training half, under torch.profiler)", ""), ("wall_s", "wall s", ".2f"),
             ("kernels_s", "kernels s", ".2f"), ("gap_s", "gaps s", ".2f")]
     table = format_table(out, cols + [(k, f"{k} s", ".2f") for k, _ in KERNEL_CLASSES] +
-                         [("Triton + other", "Triton + other s", ".2f"), ("host_s", "host s", ".2f"),
-                          ("launches", "launches", ",.0f"), ("syncs", "syncs", ",.0f")])
+                         [("Triton + other", "Triton + other s", ".2f"), ("backward_s", "backward s", ".2f"),
+                          ("host_s", "host s", ".2f"), ("launches", "launches", ",.0f"), ("syncs", "syncs", ",.0f")])
     tops = [dict(variant=r["variant"], **k) for r in rows if r.get("profile") for k in r["profile"].get("top", [])]
     return table + ("\n\n" + format_table(tops, [("variant", "variant", ""), ("name", "kernel (the most time first)", ""),
                                                  ("kind", "class", ""), ("count", "count", ",.0f"),

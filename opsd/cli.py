@@ -139,11 +139,13 @@ def cmd_eval(a):
         w = worlds[model, data]
         ev = w.eval
         n, k = a.n or ev["n"], a.k or ev["k"]
+        sampling = w.eval_sampling(0, max_new_tokens=a.max_new_tokens or ev["max_new_tokens"])   # SmolLM2: greedy
+        if a.temperature is not None: sampling = dataclasses.replace(sampling, temperature=a.temperature)
         problems = lambda cfg, w=w, n=n: w.problems(n, seed=10_000 + cfg.get("seed", 0), split="test")[:n]
         out.append(eval_runs(rds, problems, model_path=w.path, k=k, seeds=tuple(a.seeds), steps=a.steps,
                              backend=a.backend, max_new_tokens=a.max_new_tokens or ev["max_new_tokens"],
                              grade_mode=w.grade_mode, prompt_cfg=lambda cfg, w=w: w.prompt_config(cfg.get("prompt")),
-                             dtype=w.eval_dtype, vllm_memory=a.vllm_memory, progress=not a.quiet))
+                             dtype=w.eval_dtype, vllm_memory=a.vllm_memory, sampling=sampling, progress=not a.quiet))
     with pl.Config(tbl_rows=100, tbl_cols=20):
         print(pl.concat(out, how="diagonal_relaxed"))
 
@@ -212,6 +214,8 @@ def parser() -> argparse.ArgumentParser:
                    help="rollout backend (auto: vLLM on a GPU where it imports)")
     e.add_argument("--max-new-tokens", dest="max_new_tokens", type=int,
                    help="completion budget (default: the world's, else the eval sampling's 1024)")
+    e.add_argument("--temperature", type=float,
+                   help="evaluation temperature, 0 = greedy (default: the world's; SmolLM2 greedy, else 1.0)")
     e.add_argument("--vllm-memory", dest="vllm_memory", type=float, default=0.5, help="vLLM's share of GPU memory")
     e.add_argument("--quiet", action="store_true"); e.set_defaults(fn=cmd_eval)
     r = sub.add_parser("report", help="a self-contained HTML report (and PNGs) of runs")

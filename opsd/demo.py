@@ -205,7 +205,7 @@ def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
     import torch
     from opsd.worlds import resolve_world
     from opsd.train import OPSDTrainer
-    from opsd.eval import grade, eval_runs, default_eval_sampling
+    from opsd.eval import grade, eval_runs
     from opsd.runs import latest_checkpoint, checkpoint_step
     from transformers import AutoTokenizer
     worlds = {(j["world"], j.get("data")) for j in jobs}
@@ -250,7 +250,7 @@ def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
         done[j["name"]] = dict(name=j["name"], run_dir=cfg.run_dir, train_s=round(time.perf_counter() - t0, 1))
         if progress: print(f"[opsd demo] {j['name']}: train {done[j['name']]['train_s']:.0f} s ({i + 1}/{len(jobs)})",
                            flush=True)
-    sampling = default_eval_sampling(r["eval_seed"], max_new_tokens=budget)
+    sampling = w.eval_sampling(r["eval_seed"], max_new_tokens=budget)   # SmolLM2: greedy (08c_worlds)
     for i, (j, cfg) in enumerate(zip(jobs, cfgs)):
         t0 = time.perf_counter()
         # eval_runs skips the blocks done under this very setting (eval rows are keyed) and calls get_engine

@@ -236,8 +236,8 @@ SMOLLM2_RECIPE = dict(
     dtype="bfloat16", checkpointing=0.0, rollout="auto", vllm_memory=0.2, vllm_sleep=False,
     log_positions=64, prompt=asdict(SMOLLM2_PROMPT))
 
-SMOLLM2_EVAL = dict(n=100, k=8, max_new_tokens=128, seed=10_000, split="test", difficulty=None,
-                    temperature=1.0, top_p=0.95)  # the eval sampling: opsd.eval.default_eval_sampling
+SMOLLM2_EVAL = dict(n=100, k=1, max_new_tokens=128, seed=10_000, split="test", difficulty=None,
+                    temperature=0.0, top_p=1.0)  # greedy: `World.eval_sampling` (08c_worlds) reads these two
 
 def smollm2_eval_problems(seed:int=0, # the run's seed (added to `SMOLLM2_EVAL['seed']`, as `opsd eval` does)
                           n:int|None=None, # number of problems (default `SMOLLM2_EVAL['n']`)

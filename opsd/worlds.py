@@ -119,6 +119,14 @@ def config(self: World, **overrides):
     base.update(model=self.name, data=self.data)
     return OPSDConfig.from_dict({**base, **overrides}, source=f"world {self.name!r}")
 
+# %% ../nbs/08c_worlds.ipynb #e7a1c3d1
+@patch
+def eval_sampling(self: World, seed: int = 0, max_new_tokens: int | None = None):
+    "The held-out evaluation's `SamplingConfig`: the released evaluation sampling with the world's own temperature/top_p."
+    from opsd.eval import default_eval_sampling
+    own = {k: self.eval[k] for k in ("temperature", "top_p") if k in self.eval}
+    return dataclasses.replace(default_eval_sampling(seed, max_new_tokens=max_new_tokens), **own)
+
 # %% ../nbs/08c_worlds.ipynb #02e0e66b
 def resolve_world(name: str, # 'toy', 'toy:soft', 'toy:copy', 'smollm2', or a from_pretrained path / hub name
                   data: str | None = None, # problems file or datasets name (replaces the world's own)

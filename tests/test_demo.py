@@ -158,6 +158,23 @@ def test_world_demo_shares_one_engine(world_demo, tiny_ckpt):
     assert all(t["train_s"] > 0 and t["eval_s"] > 0 for t in res["timing"])
 
 
+def test_world_demo_evaluates_with_the_worlds_sampling(tiny_ckpt, toy_data_file, tmp_path, monkeypatch):
+    """`run_world_jobs` evaluates with the world's `eval_sampling` (SmolLM2's is greedy; a path world's, patched greedy
+    here). Break that made it fail: the demo building `default_eval_sampling` itself (rows at temperature 1.0)."""
+    from opsd.rollout import SamplingConfig
+    from opsd.worlds import World
+    monkeypatch.setattr(World, "eval_sampling", lambda self, seed=0, max_new_tokens=None:
+                        SamplingConfig(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed))
+    recipe = demo.DemoRecipe(dict(steps=1, batch_size=2, micro_batch_size=2, save_every=1, lora_r=2, lora_alpha=4,
+                                  max_completion_length=8, log_positions=0, dtype="float32", rollout="hf"),
+                             n_eval=3, k=1)
+    demo.run_demo(tmp_path / "g", clips=("entry",), seeds=1, recipe=recipe, world=str(tiny_ckpt),
+                  data=str(toy_data_file), report=False, png=False, progress=False)
+    ev = pl.read_ndjson(tmp_path / "g" / "tiny-qwen3-entry-s0" / "eval.jsonl")
+    assert sorted(ev["step"].unique().to_list()) == [0, 1]
+    assert (ev["key_temperature"].unique().to_list(), ev["key_top_p"].unique().to_list()) == ([0.0], [1.0])
+
+
 def test_world_demo_runs_equal_runs_on_their_own(world_demo, tiny_ckpt, toy_data_file, tmp_path):
     """The last run, trained after three others on the shared engine, equals the same config trained alone with its own
     engine; its evaluation equals a fresh evaluation with a fresh engine.

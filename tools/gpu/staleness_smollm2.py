@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from opsd.demo import DemoRecipe, demo_jobs, run_world_jobs, demo_frames, seed_effects
 from opsd.eval import eval_runs
 from opsd.plots import seed_interval
-from opsd.rollout import SamplingConfig, make_rollout
+from opsd.rollout import make_rollout
 from opsd.worlds import resolve_world
 
 ARMS = {"async": {"async_rollout": True}, "k2": {"steps_per_rollout": 2}, "k4": {"steps_per_rollout": 4}}
@@ -42,7 +42,7 @@ out, dest = Path(args[0]), Path(args[1])
 seeds = int(args[2]) if len(args) > 2 else 3
 t_all = time.perf_counter()
 w = resolve_world("smollm2")
-recipe = DemoRecipe(k=1)   # the demo's own sampled evaluation at k=1 (cheap); the greedy one below is the measure
+recipe = DemoRecipe(k=1)   # the demo's own evaluation (the world's: greedy); the one below at steps 0 and `last` is the measure
 if smoke:
     recipe = DemoRecipe(k=1, n_eval=4, config=dict(steps=4, batch_size=4, micro_batch_size=4,
                                                    max_completion_length=16, save_every=4, rollout="hf"))
@@ -62,14 +62,15 @@ engine = None if smoke else make_rollout("vllm", None, tok, path, max_model_len=
 print(f"engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
 test_set = w.problems(n_test, seed=10_000, split="test")
 prompt_cfg = w.prompt_config(None)
-greedy = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)
+greedy = w.eval_sampling(0, max_new_tokens=new_tokens)   # the world's greedy setting: the demo's rows of it are reused
 label = {j["name"]: j["label"] for j in jobs}
 
 
 def summarize(done: list) -> dict:
     "Per-run effects, step times and the paired arm - sync differences of the runs evaluated so far."
     metrics, evals, _ = demo_frames(out)
-    evals = evals.filter(pl.col("key_temperature") == 0.0)   # the greedy rows, not the demo's own sampled ones
+    evals = evals.filter(pl.col("key_temperature") == 0.0, pl.col("key_n") == n_test,   # the measure's setting only
+                         pl.col("key_max_new_tokens") == new_tokens)
     fx = seed_effects(metrics, evals).with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
     m = metrics.with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
     late = pl.col("step") > 1   # step times after the first (warm-up); the rollout age over every step
