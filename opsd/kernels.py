@@ -76,8 +76,35 @@ def liger_patchers() -> dict:
 from .repro import inductor_cache_per_isa   # one home (05a_repro): one Inductor cache folder per CPU ISA
 
 # %% ../nbs/05e_kernels.ipynb #f1a0c002
+class _LoraMM(torch.autograd.Function):
+    """y = x Wᵀ (+ b) + s·(x Aᵀ) Bᵀ with every scale and add inside a GEMM's epilogue, forward and backward.
+    Autograd of the same addmm would scale two gradients and add the base's and the adapter's input gradients in
+    kernels of their own; here gx = g W + s·(g B) A is one addmm after one mm, and the adapters' gradients are
+    addmm's with β = 0 and α = s."""
+    @staticmethod
+    def forward(ctx, x, W, bias, A, B, s):
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2 @ A.t()                                       # tokens × r
+        y = x2 @ W.t() if bias is None else torch.addmm(bias, x2, W.t())
+        ctx.save_for_backward(x2, W, A, B, h); ctx.s, ctx.shape = s, x.shape
+        return torch.addmm(y, h, B.t(), alpha=s).view(*x.shape[:-1], W.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, W, A, B, h = ctx.saved_tensors
+        s, need = ctx.s, ctx.needs_input_grad
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = gW = gb = gA = gB = None
+        gh = g2 @ B if need[0] or need[3] else None          # tokens × r, unscaled: α = s goes into the addmm's
+        if need[0]: gx = torch.addmm(g2 @ W, gh, A, alpha=s).view(ctx.shape)
+        if need[1]: gW = g2.t() @ x2
+        if need[2]: gb = g2.sum(0)
+        if need[3]: gA = torch.addmm(torch.empty_like(A), gh.t(), x2, beta=0, alpha=s)   # β = 0: input ignored
+        if need[4]: gB = torch.addmm(torch.empty_like(B), g2.t(), h, beta=0, alpha=s)
+        return gx, gW, gb, gA, gB, None
+
 def _lora_addmm(orig):
-    "A `forward` for one peft LoRA Linear: base + s·B(A(x)) as one addmm in the plain case, else peft's `orig`."
+    "A `forward` for one peft LoRA Linear: base + s·B(A(x)) by `_LoraMM` in the plain case, else peft's `orig`."
     def forward(self, x, *args, **kwargs):
         names = self.active_adapters
         if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A:
@@ -87,14 +114,15 @@ def _lora_addmm(orig):
         if (n in getattr(self, "lora_variant", {}) or getattr(self, "use_dora", {}).get(n) or B.bias is not None
                 or not isinstance(self.lora_dropout[n], torch.nn.Identity)):
             return orig(x, *args, **kwargs)
-        # one dtype throughout, or autocast (the trainer's bf16 adapters: fp32 weights, bf16 GEMMs), which runs
-        # addmm in its low precision like the two Linears and casts its inputs as it casts theirs
-        if not (x.dtype == A.weight.dtype == B.weight.dtype == base.weight.dtype
-                or torch.is_autocast_enabled(x.device.type)):
-            return orig(x, *args, **kwargs)
-        y, h = base(x), A(x)
-        out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.weight.t(), alpha=self.scaling[n])
-        return out.view(y.shape)
+        # one dtype throughout, or autocast (the trainer's bf16 adapters: fp32 weights, bf16 GEMMs): then every
+        # operand is cast to autocast's dtype, as autocast casts the two Linears' (their gradients cast back)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev): dt = torch.get_autocast_dtype(dev)
+        elif x.dtype == A.weight.dtype == B.weight.dtype == base.weight.dtype: dt = x.dtype
+        else: return orig(x, *args, **kwargs)
+        bias = None if base.bias is None else base.bias.to(dt)
+        return _LoraMM.apply(x.to(dt), base.weight.to(dt), bias, A.weight.to(dt), B.weight.to(dt),
+                             float(self.scaling[n]))
     return forward
 
 def fuse_lora(model) -> int:

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from opsd import kernels
 from opsd.kernels import LIGER_PIN, apply_kernels, decoder_stack, fuse_lora, liger_patchers, patch_modules
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -126,15 +127,15 @@ def test_patch_modules_keeps_lora_and_stays_on_its_instance():
 
 def test_fuse_lora_equals_peft_in_float64(monkeypatch):
     """`fuse_lora`: loss and every LoRA gradient equal peft's to 1e-12 in float64 (left-padded rows, the teacher's
-    `disable_adapter()` pass included), one addmm per adapted projection in the student's pass and none in the
-    teacher's; where the plain case does not hold (dropout on one adapter) peft's own forward runs. Breaks, tried
+    `disable_adapter()` pass included), one fused product (`_LoraMM`) per adapted projection in the student's pass
+    and none in the teacher's; where the plain case does not hold (dropout on one adapter) peft's own forward runs. Breaks, tried
     once each in a working copy: `alpha` left out of the addmm (the loss moved 0.126 -> 0.113); the
-    adapters-disabled check removed (28 addmm calls instead of 14)."""
+    adapters-disabled check removed (28 fused calls instead of 14)."""
     ref = tiny_lora(dtype=torch.float64)
     fused = copy.deepcopy(ref)
     assert fuse_lora(fused) == 7 * 2 and fused.opsd_fused_lora == 14
-    calls, addmm = [], torch.addmm
-    monkeypatch.setattr(torch, "addmm", lambda *a, **kw: calls.append(1) or addmm(*a, **kw))
+    calls, apply = [], kernels._LoraMM.apply
+    monkeypatch.setattr(kernels._LoraMM, "apply", lambda *a: calls.append(1) or apply(*a))
     x = batch(11, seed=3, pad=4)
     (l0, g0), (l1, g1) = loss_and_grads(ref, x), loss_and_grads(fused, x)
     assert len(calls) == 14
@@ -149,9 +150,35 @@ def test_fuse_lora_equals_peft_in_float64(monkeypatch):
         fuse_lora(torch.nn.Linear(2, 2))
 
 
+def test_fused_lora_backward_has_no_elementwise_kernels():
+    """One adapted projection, forward and backward, counted with the profiler on CPU: peft's path runs its scale and
+    add as kernels of their own (aten::mul, aten::add) and autograd adds the base's and the adapter's input gradients;
+    the fused path runs none, forward or backward, and gives the same output and gradients to 1e-12 in float64.
+    Breaks, tried once each: gx as `g W + s (g B) A` written with a `+` (one aten::add counted); `alpha` left out of
+    the adapter A's gradient (its gradient off by the factor s = 2)."""
+    from torch.profiler import profile, ProfilerActivity
+    ref = tiny_lora(dtype=torch.float64)
+    fused = copy.deepcopy(ref); fuse_lora(fused)
+    def run(model):
+        q = decoder_stack(model).layers[0].self_attn.q_proj
+        x = torch.randn(6, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        g = torch.randn(6, 5, q.out_features, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            y = q(x); y.backward(g)
+        ops = {e.key: e.count for e in prof.key_averages()}
+        return y.detach(), x.grad, q.lora_A["default"].weight.grad, q.lora_B["default"].weight.grad, ops
+    *r, ops_ref = run(ref)
+    *f, ops_fused = run(fused)
+    for a, b in zip(f, r):
+        assert rel(a, b) < 1e-12
+    elementwise = ("aten::add", "aten::add_", "aten::mul", "aten::mul_")
+    assert sum(ops_ref.get(k, 0) for k in elementwise) >= 2       # peft: the scale and the add at least
+    assert sum(ops_fused.get(k, 0) for k in elementwise) == 0, {k: ops_fused.get(k) for k in elementwise}
+
+
 def test_fuse_lora_under_autocast_as_close_as_peft(monkeypatch):
     """The trainer's bf16 adapters (bf16 base, float32 adapters, bf16 GEMMs under autocast; here CPU autocast): the
-    fused model takes the addmm path (14 calls) and its loss and gradients are as close to the float32 model as peft's
+    fused model takes the fused path (14 calls) and its loss and gradients are as close to the float32 model as peft's
     (within 2x + 1e-3, the bound of the Liger test). Break, tried: the autocast clause left out of the dtype check
     (peft's path every time: 0 calls)."""
     ref32 = tiny_lora()
@@ -159,8 +186,8 @@ def test_fuse_lora_under_autocast_as_close_as_peft(monkeypatch):
     for n, p in plain.named_parameters():
         if "lora_" not in n: p.data = p.data.to(torch.bfloat16)
     fused = copy.deepcopy(plain); fuse_lora(fused)
-    calls, addmm = [], torch.addmm
-    monkeypatch.setattr(torch, "addmm", lambda *a, **kw: calls.append(1) or addmm(*a, **kw))
+    calls, apply = [], kernels._LoraMM.apply
+    monkeypatch.setattr(kernels._LoraMM, "apply", lambda *a: calls.append(1) or apply(*a))
     x, ctx = batch(11, seed=3, pad=4), lambda: torch.autocast("cpu", dtype=torch.bfloat16)
     l32, g32 = loss_and_grads(ref32, x)
     lp, gp = loss_and_grads(plain, x, ctx)
