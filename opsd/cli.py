@@ -139,7 +139,7 @@ def cmd_eval(a):
         w = worlds[model, data]
         ev = w.eval
         n, k = a.n or ev["n"], a.k or ev["k"]
-        sampling = w.eval_sampling(0, max_new_tokens=a.max_new_tokens or ev["max_new_tokens"])   # SmolLM2: greedy
+        sampling = w.eval_sampling()   # SmolLM2: greedy; the budget is `max_new_tokens` below
         if a.temperature is not None: sampling = dataclasses.replace(sampling, temperature=a.temperature)
         problems = lambda cfg, w=w, n=n: w.problems(n, seed=10_000 + cfg.get("seed", 0), split="test")[:n]
         out.append(eval_runs(rds, problems, model_path=w.path, k=k, seeds=tuple(a.seeds), steps=a.steps,
