@@ -79,7 +79,7 @@ from .repro import inductor_cache_per_isa   # one home (05a_repro): one Inductor
 class _LoraMM(torch.autograd.Function):
     """y = x Wᵀ (+ b) + s·(x Aᵀ) Bᵀ with every scale and add inside a GEMM's epilogue, forward and backward.
     Autograd of the same addmm would scale two gradients and add the base's and the adapter's input gradients in
-    kernels of their own; here gx = g W + s·(g B) A is one addmm after one mm, and the adapters' gradients are
+    kernels of their own; here gx = g W + s·(g B) A is one in-place addmm after one mm, and the adapters' gradients are
     addmm's with β = 0 and α = s."""
     @staticmethod
     def forward(ctx, x, W, bias, A, B, s):
@@ -87,7 +87,9 @@ class _LoraMM(torch.autograd.Function):
         h = x2 @ A.t()                                       # tokens × r
         y = x2 @ W.t() if bias is None else torch.addmm(bias, x2, W.t())
         ctx.save_for_backward(x2, W, A, B, h); ctx.s, ctx.shape = s, x.shape
-        return torch.addmm(y, h, B.t(), alpha=s).view(*x.shape[:-1], W.shape[0])
+        # in place: `torch.addmm(y, ...)` would first copy y into a new output (a device-to-device copy per call, 1,600 a
+        # step on the H200 of 2026-12-06); y is this call's own tensor, so cuBLAS may accumulate into it
+        return y.addmm_(h, B.t(), alpha=s).view(*x.shape[:-1], W.shape[0])
 
     @staticmethod
     def backward(ctx, g):
@@ -96,7 +98,7 @@ class _LoraMM(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1])
         gx = gW = gb = gA = gB = None
         gh = g2 @ B if need[0] or need[3] else None          # tokens × r, unscaled: α = s goes into the addmm's
-        if need[0]: gx = torch.addmm(g2 @ W, gh, A, alpha=s).view(ctx.shape)
+        if need[0]: gx = (g2 @ W).addmm_(gh, A, alpha=s).view(ctx.shape)
         if need[1]: gW = g2.t() @ x2
         if need[2]: gb = g2.sum(0)
         if need[3]: gA = torch.addmm(torch.empty_like(A), gh.t(), x2, beta=0, alpha=s)   # β = 0: input ignored

@@ -154,8 +154,11 @@ def test_fused_lora_backward_has_no_elementwise_kernels():
     """One adapted projection, forward and backward, counted with the profiler on CPU: peft's path runs its scale and
     add as kernels of their own (aten::mul, aten::add) and autograd adds the base's and the adapter's input gradients;
     the fused path runs none, forward or backward, and gives the same output and gradients to 1e-12 in float64.
+    The two accumulations (the output, gx) run in place: an out-of-place addmm copied its accumulator first, 1,600
+    device-to-device copies a step on the H200 (bench/h200-2026-12-06).
     Breaks, tried once each: gx as `g W + s (g B) A` written with a `+` (one aten::add counted); `alpha` left out of
-    the adapter A's gradient (its gradient off by the factor s = 2)."""
+    the adapter A's gradient (its gradient off by the factor s = 2); the forward's `y.addmm_` written as
+    `torch.addmm(y, ...)` (one copy counted)."""
     from torch.profiler import profile, ProfilerActivity
     ref = tiny_lora(dtype=torch.float64)
     fused = copy.deepcopy(ref); fuse_lora(fused)
@@ -166,6 +169,9 @@ def test_fused_lora_backward_has_no_elementwise_kernels():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             y = q(x); y.backward(g)
         ops = {e.key: e.count for e in prof.key_averages()}
+        # an out-of-place addmm(C, a, b) with β != 0 copies C into its output first (a device-to-device copy on CUDA)
+        ops["copy of an addmm's C"] = sum(e.name == "aten::copy_" and getattr(e.cpu_parent, "name", "") == "aten::addmm"
+                                          for e in prof.events())
         return y.detach(), x.grad, q.lora_A["default"].weight.grad, q.lora_B["default"].weight.grad, ops
     *r, ops_ref = run(ref)
     *f, ops_fused = run(fused)
@@ -174,6 +180,7 @@ def test_fused_lora_backward_has_no_elementwise_kernels():
     elementwise = ("aten::add", "aten::add_", "aten::mul", "aten::mul_")
     assert sum(ops_ref.get(k, 0) for k in elementwise) >= 2       # peft: the scale and the add at least
     assert sum(ops_fused.get(k, 0) for k in elementwise) == 0, {k: ops_fused.get(k) for k in elementwise}
+    assert ops_fused["copy of an addmm's C"] == 0        # the two accumulations (y, gx) in place
 
 
 def test_fuse_lora_under_autocast_as_close_as_peft(monkeypatch):
@@ -219,6 +226,26 @@ def test_fused_lora_trainer_step_equals_plain(tiny_ckpt, toy_problems, tmp_path)
     for a, b in zip(rows[False], rows[True]):
         for k in ("loss", "kl/true", "grad_norm"):
             assert b[k] == pytest.approx(a[k], rel=1e-10), k
+
+
+def test_compiled_packed_fused_lora_trainer_step_equals_eager(tiny_ckpt, toy_problems, tmp_path):
+    """The fastest on-policy configuration measured (H200, bench/h200-2026-12-06): `kernels='compile'`, `packed`,
+    `fused_lora` together, two float32 trainer steps against the eager packed trainer (loss, KL, gradient norm to 1e-4
+    relative; Inductor reorders float32 sums, about 1e-5 here). On CPU, so Inductor's C++ backend and the per-row
+    varlen reference, not flash; about 100 s, nearly all of it compiling. Break, tried once: the packed attention
+    reading no `cu_seq_lens_q` while compiling (rows attend across each other; the loss differs at 1e-2)."""
+    from opsd.train import OPSDConfig, OPSDTrainer
+    kw = dict(model=str(tiny_ckpt), steps=2, batch_size=4, micro_batch_size=2, max_completion_length=8, lr=0.05,
+              dtype="float32", log_positions=0, save_every=100, padding="aligned", packed=True)
+    rows = {}
+    for name, over in (("eager", {}), ("fast", dict(kernels="compile", fused_lora=True))):
+        torch._dynamo.reset()
+        tr = OPSDTrainer(OPSDConfig.toy(run_dir=str(tmp_path / name), **kw, **over), toy_problems, progress=False)
+        rows[name] = [tr.step(s) for s in (1, 2)]
+    assert tr.unwrapped.opsd_kernels == "compile" and tr.unwrapped.opsd_fused_lora > 0
+    for a, b in zip(rows["eager"], rows["fast"]):
+        for k in ("loss", "kl/true", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4), k
 
 
 def test_compile_matches_eager_without_recompiles():
