@@ -355,10 +355,16 @@ E2E_VARIANTS["opsd best + liger + packed"] = dict(E2E_VARIANTS["opsd best + lige
 # each adapted projection's LoRA scale and add in one GEMM (kernels.fuse_lora, the config field `fused_lora`)
 E2E_VARIANTS["opsd best + liger + packed + fused lora"] = dict(E2E_VARIANTS["opsd best + liger + packed"], fused_lora=True)
 # compiled decoder layers (Inductor fuses RMSNorm, RoPE, SwiGLU, the residual adds and the LoRA scale) on packed rows:
-# unpadded, compile trained 0.3 s faster than Liger on the H200 of 2026-12-04 (1.79 against 2.09 s); never run packed
+# unpadded, compile trained 0.3 s faster than Liger on the H200 of 2026-12-04 (1.79 against 2.09 s); packed, with fused
+# LoRA, 1.18 s against Liger's 1.67 s in one run (H200, 2026-12-06)
 E2E_VARIANTS["opsd best + compile + packed"] = dict(E2E_VARIANTS["opsd best + compile"], packed=True)
 E2E_VARIANTS["opsd best + compile + packed + fused lora"] = dict(E2E_VARIANTS["opsd best + compile + packed"],
                                                                  fused_lora=True)
+# the next levers on the fastest on-policy row (H200 2026-12-06: host-bound, launches the limit): micro-batches of 16
+# (half the launches; peak memory to watch), one step off-policy, and an fp8 rollout (a departure; its own engine)
+_fastest = E2E_VARIANTS["opsd best + compile + packed + fused lora"]
+E2E_VARIANTS["opsd best + compile + packed + fused lora (mb 16)"] = dict(_fastest, micro_batch_size=16)
+E2E_VARIANTS["opsd best + compile + async + packed + fused lora"] = dict(_fastest, async_rollout=True)
 # fewer, larger micro-batches: the H100 profile of 2026-12-05 found the GPU idle between kernels 0.41 s of the 1.61 s
 # training half; a micro-batch's fixed dispatches (about 39,000 ATen calls, counted on CPU) are paid a half or a quarter
 # as often at 16 or 32 (bench/h100-2026-12-05-profile)
@@ -408,6 +414,8 @@ E2E_VARIANTS["opsd best + kernels + async + fp8 rollout"] = dict(E2E_VARIANTS["o
                                                                **FP8_ROLLOUT)
 E2E_VARIANTS["opsd best + liger + async + packed + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + liger + async + packed"],
                                                                       **FP8_ROLLOUT)
+E2E_VARIANTS["opsd best + compile + packed + fused lora + fp8 rollout"] = dict(
+    E2E_VARIANTS["opsd best + compile + packed + fused lora"], **FP8_ROLLOUT)
 # compile's warm-up (Inductor) is the longest: it runs late, so a time-boxed run keeps the others
 E2E_DEFAULT = ["released", "opsd best", "opsd best + liger + packed",
                "opsd best + compile + packed + fused lora",   # the fastest on-policy row, H200 2026-12-06

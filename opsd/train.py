@@ -72,7 +72,7 @@ class OPSDConfig:
     kernels: str = "none"  # the student's decoder layers: 'none', 'liger' (Liger-Kernel's RMSNorm/RoPE/SwiGLU) or
     #                        'compile' (torch.compile of each layer): opsd.kernels; measured in nbs/12_bench
     fused_lora: bool = False  # each adapted projection's LoRA scale and add folded into one GEMM (opsd.kernels.fuse_lora;
-    #                           the same sum, rounded once; built, not yet measured on a GPU)
+    #                           the same sum, rounded once; measured in nbs/12_bench)
     fused_kernel: str = "auto"  # the fused chunk math: 'torch', 'triton' (one kernel; forward KL, full vocabulary)
     #                             or 'auto' (triton on CUDA where it applies)
     # LoRA
