@@ -406,7 +406,7 @@ for k in (2, 4):
 # the fastest of all on the H200 of 2026-12-06 (2.73 s a step, 3.01x released, mean age 2.5): compiled layers, packed,
 # fused LoRA, one engine call for 4 steps and the next group's rollout overlapped
 E2E_VARIANTS["opsd best + compile + async + packed + fused lora (4 steps per rollout)"] = dict(
-    E2E_VARIANTS["opsd best + liger + async + packed + fused lora (4 steps per rollout)"], kernels="compile")
+    _fastest, async_rollout=True, steps_per_rollout=4)
 # a departure: the rollout samples from the student's weights quantized to fp8, with an fp8 KV cache (its own engine)
 FP8_ROLLOUT = dict(rollout_quantization="fp8", rollout_kv_cache="fp8")
 E2E_VARIANTS["opsd best + liger + fp8 rollout"] = dict(E2E_VARIANTS["opsd best + liger"], **FP8_ROLLOUT)

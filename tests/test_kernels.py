@@ -158,7 +158,7 @@ def test_fused_lora_backward_has_no_elementwise_kernels():
     device-to-device copies a step on the H200 (bench/h200-2026-12-06).
     Breaks, tried once each: gx as `g W + s (g B) A` written with a `+` (one aten::add counted); `alpha` left out of
     the adapter A's gradient (its gradient off by the factor s = 2); the forward's `y.addmm_` written as
-    `torch.addmm(y, ...)` (one copy counted)."""
+    `torch.addmm(y, ...)`, and the backward's gx likewise (one copy counted each time)."""
     from torch.profiler import profile, ProfilerActivity
     ref = tiny_lora(dtype=torch.float64)
     fused = copy.deepcopy(ref); fuse_lora(fused)
@@ -342,8 +342,8 @@ def test_compile_matches_plain_bf16():
 @needs_cuda
 def test_fused_lora_matches_plain_bf16(monkeypatch):
     """`fused_lora` on CUDA under the trainer's bf16 adapter compute (CUDA autocast): the addmm path runs and loss and
-    LoRA gradients stay within the Liger test's bound of the plain model's error against float32. Not yet run on a GPU
-    (the CPU autocast test above covers the same code path)."""
+    LoRA gradients stay within the Liger test's bound of the plain model's error against float32. Passed on an H100
+    (2026-12-06, the in-place accumulations; the CPU autocast test above covers the same code path)."""
     calls, addmm = [], torch.addmm
     monkeypatch.setattr(torch, "addmm", lambda *a, **kw: calls.append(1) or addmm(*a, **kw))
     _, errs = _bf16_case(lambda m: (fuse_lora(m), m)[1])
