@@ -5,11 +5,12 @@
 # %% ../nbs/05e_kernels.ipynb #5deaa0e1
 from __future__ import annotations
 import inspect, types
+from contextlib import contextmanager
 import torch
 
 # %% auto #0
 __all__ = ['KERNELS', 'LIGER_PIN', 'decoder_stack', 'with_globals', 'patch_modules', 'liger_patchers', 'fuse_lora',
-           'apply_kernels']
+           'FlatAdapters', 'apply_kernels']
 
 # %% ../nbs/05e_kernels.ipynb #e05fae10
 KERNELS = ("none", "liger", "compile")
@@ -105,27 +106,29 @@ class _LoraMM(torch.autograd.Function):
         if need[4]: gB = torch.addmm(torch.empty_like(B), g2.t(), h, beta=0, alpha=s)
         return gx, gW, gb, gA, gB, None
 
-def _lora_addmm(orig):
-    "A `forward` for one peft LoRA Linear: base + s·B(A(x)) by `_LoraMM` in the plain case, else peft's `orig`."
-    def forward(self, x, *args, **kwargs):
-        names = self.active_adapters
-        if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A:
-            return orig(x, *args, **kwargs)
-        n = names[0]
-        A, B, base = self.lora_A[n], self.lora_B[n], self.get_base_layer()
-        if (n in getattr(self, "lora_variant", {}) or getattr(self, "use_dora", {}).get(n) or B.bias is not None
-                or not isinstance(self.lora_dropout[n], torch.nn.Identity)):
-            return orig(x, *args, **kwargs)
-        # one dtype throughout, or autocast (the trainer's bf16 adapters: fp32 weights, bf16 GEMMs): then every
-        # operand is cast to autocast's dtype, as autocast casts the two Linears' (their gradients cast back)
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev): dt = torch.get_autocast_dtype(dev)
-        elif x.dtype == A.weight.dtype == B.weight.dtype == base.weight.dtype: dt = x.dtype
-        else: return orig(x, *args, **kwargs)
-        bias = None if base.bias is None else base.bias.to(dt)
-        return _LoraMM.apply(x.to(dt), base.weight.to(dt), bias, A.weight.to(dt), B.weight.to(dt),
-                             float(self.scaling[n]))
-    return forward
+def _lora_forward(self, x, *args, **kwargs):
+    """The `forward` bound on one peft LoRA Linear: base + s·B(A(x)) by `_LoraMM` in the plain case, else peft's own
+    (looked up on the class at each call, so a deep copy of the module falls back to its own adapters, not the original's)."""
+    peft = type(self).forward
+    names = self.active_adapters
+    if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] not in self.lora_A:
+        return peft(self, x, *args, **kwargs)
+    n = names[0]
+    A, B, base = self.lora_A[n], self.lora_B[n], self.get_base_layer()
+    if (n in getattr(self, "lora_variant", {}) or getattr(self, "use_dora", {}).get(n) or B.bias is not None
+            or not isinstance(self.lora_dropout[n], torch.nn.Identity)):
+        return peft(self, x, *args, **kwargs)
+    # one dtype throughout, or autocast (the trainer's bf16 adapters: fp32 weights, bf16 GEMMs): then every
+    # operand is cast to autocast's dtype, as autocast casts the two Linears' (their gradients cast back)
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev): dt = torch.get_autocast_dtype(dev)
+    elif x.dtype == A.weight.dtype == B.weight.dtype == base.weight.dtype: dt = x.dtype
+    else: return peft(self, x, *args, **kwargs)
+    bias = None if base.bias is None else base.bias.to(dt)
+    flat = self.opsd_flat   # this micro-batch's views of the adapters cast once for all (`FlatAdapters`), if any
+    if flat is not None and flat[0] == n and flat[1].dtype == dt: a, b = flat[1], flat[2]
+    else: a, b = A.weight.to(dt), B.weight.to(dt)
+    return _LoraMM.apply(x.to(dt), base.weight.to(dt), bias, a, b, float(self.scaling[n]))
 
 def fuse_lora(model) -> int:
     "Fold the scale and add of every peft LoRA Linear of this model instance into one GEMM; returns how many."
@@ -133,11 +136,74 @@ def fuse_lora(model) -> int:
     n = 0
     for m in model.modules():
         if type(m) is LoraLinear:   # exactly peft's: subclasses (quantized bases, ...) keep their own forward
-            _bind(m, "forward", _lora_addmm(types.MethodType(type(m).forward, m))); n += 1
+            _bind(m, "forward", _lora_forward); n += 1
+            m.opsd_flat = None   # the slot `FlatAdapters` fills during a training step
     if not n: raise ValueError(f"fused_lora=True: no peft LoRA Linear in {type(model).__name__}")
     model.opsd_fused_lora = n
     return n
 
+# %% ../nbs/05e_kernels.ipynb #f1a0c007
+class _Gather(torch.autograd.Function):
+    """Every adapter weight cast to `dtype` by one concatenation and one cast, handed out as views of that one tensor;
+    backward concatenates the views' gradients and adds them to `grad` (flat, float32) in one kernel. `anchor` (an
+    empty tensor that requires grad) is what puts this function in the graph: the weights come in detached."""
+    @staticmethod
+    def forward(ctx, anchor, grad, dtype, *weights):
+        ctx.grad = grad
+        flat, out, o = torch.cat([w.reshape(-1) for w in weights]).to(dtype), [], 0
+        for w in weights: out.append(flat[o:o + w.numel()].view(w.shape)); o += w.numel()
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        ctx.grad.add_(torch.cat([g.reshape(-1) for g in gs]))
+        return (None, None, None) + (None,) * len(gs)
+
+class FlatAdapters:
+    "The fused LoRA Linears' adapter weights: cast once per micro-batch, their gradients in one float32 buffer."
+    def __init__(self, model):
+        self.mods = [m for m in model.modules() if hasattr(m, "opsd_flat")]
+        if not self.mods: raise ValueError("flat_adapters=True needs fuse_lora (fused_lora=True): no fused LoRA Linear")
+        self.names = [m.active_adapters[0] for m in self.mods]
+        self.weights = [w for m, n in zip(self.mods, self.names) for w in (m.lora_A[n].weight, m.lora_B[n].weight)]
+        dts = {(w.dtype, w.device) for w in self.weights}
+        if len(dts) != 1: raise ValueError(f"flat_adapters=True: the adapter weights differ in dtype or device: {dts}")
+        (self.dtype, dev), = dts
+        self.grad = torch.zeros(sum(w.numel() for w in self.weights), dtype=self.dtype, device=dev)
+        self.views, o = [], 0
+        for w in self.weights: self.views.append(self.grad[o:o + w.numel()].view(w.shape)); o += w.numel()
+        self.anchor = torch.zeros(0, device=dev, requires_grad=True)
+        self.active = False
+
+    def begin(self):
+        "Before a step's first micro-batch: each weight's `.grad` is its view of the buffer (zeroed unless it already was)."
+        if not all(w.grad is v for w, v in zip(self.weights, self.views)):
+            self.grad.zero_()
+            for w, v in zip(self.weights, self.views):
+                if w.grad is not None: v.copy_(w.grad)   # a gradient from elsewhere is kept, as autograd would add to it
+                w.grad = v
+        self.active = True
+
+    def gather(self, device_type: str):
+        "Before a micro-batch's student forward: fill the slots with this micro-batch's views (autocast's dtype, if on)."
+        if not self.active: return
+        dt = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.dtype
+        ws = _Gather.apply(self.anchor, self.grad, dt, *[w.detach() for w in self.weights])
+        for i, (m, n) in enumerate(zip(self.mods, self.names)): m.opsd_flat = (n, ws[2 * i], ws[2 * i + 1])
+
+    @contextmanager
+    def hidden(self):
+        "Slots empty inside (a pass that must read the weights themselves), as they were after."
+        old = [m.opsd_flat for m in self.mods]
+        for m in self.mods: m.opsd_flat = None
+        try: yield
+        finally:
+            for m, o in zip(self.mods, old): m.opsd_flat = o
+
+    def end(self):
+        "After a step's last backward: the slots emptied (the optimizer is about to change the weights)."
+        for m in self.mods: m.opsd_flat = None
+        self.active = False
 
 # %% ../nbs/05e_kernels.ipynb #07ea8b85
 def _check_liger(model):

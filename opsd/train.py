@@ -19,7 +19,7 @@ from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_pro
 from .collate import collate, batch_logits, trim_at_eos, PAD_MODES
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
-from .kernels import KERNELS, apply_kernels, fuse_lora
+from .kernels import KERNELS, FlatAdapters, apply_kernels, fuse_lora
 from .packing import host_prepared, pack, packed_inputs, packed_logits, use_packed_attention
 from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
 
@@ -73,6 +73,9 @@ class OPSDConfig:
     #                        'compile' (torch.compile of each layer): opsd.kernels; measured in nbs/12_bench
     fused_lora: bool = False  # each adapted projection's LoRA scale and add folded into one GEMM (opsd.kernels.fuse_lora;
     #                           the same sum, rounded once; measured in nbs/12_bench)
+    flat_adapters: bool = False  # fused_lora's adapter weights cast once per micro-batch for all projections and their
+    #                              gradients accumulated in one float32 buffer (opsd.kernels.FlatAdapters): the same
+    #                              numbers with about 1,100 fewer launches a micro-batch at 1.7B; one process only
     fused_kernel: str = "auto"  # the fused chunk math: 'torch', 'triton' (one kernel; forward KL, full vocabulary)
     #                             or 'auto' (triton on CUDA where it applies)
     # LoRA
@@ -153,6 +156,8 @@ class OPSDConfig:
         if not 0 < self.top_p <= 1: raise ValueError(f"config field top_p={self.top_p!r}: must be in (0, 1]")
         if self.fused_lora and self.lora_dropout > 0:   # with dropout peft's own forward would run: nothing fused
             raise ValueError(f"config field fused_lora=True needs lora_dropout=0 (it is {self.lora_dropout})")
+        if self.flat_adapters and not self.fused_lora:   # the flat views are read by fuse_lora's forward only
+            raise ValueError("config field flat_adapters=True needs fused_lora=True")
         if not 0 < self.vllm_memory < 1:
             raise ValueError(f"config field vllm_memory={self.vllm_memory!r}: must be in (0, 1)")
         if not 0 <= self.ema_decay < 1:
@@ -584,6 +589,11 @@ class OPSDTrainer:
         # after the rollout is made: HFRollout copies the model, and a compiled copy would recompile under generate
         apply_kernels(self.unwrapped, cfg.kernels)
         if cfg.fused_lora: fuse_lora(self.unwrapped)   # LoRA's scale and add in one GEMM (05e_kernels)
+        if cfg.flat_adapters and self.acc.num_processes > 1:   # DDP reduces from each weight's accumulation hook
+            raise ValueError(f"config field flat_adapters=True runs on one process; this launch has "
+                             f"{self.acc.num_processes}: use flat_adapters=False")
+        # the adapters' casts and gradient accumulation once per micro-batch (05e_kernels)
+        self._flat = FlatAdapters(self.unwrapped) if cfg.flat_adapters else None
         if cfg.packed: use_packed_attention(self.unwrapped)   # padded calls (generation, evaluation) are unchanged
         self.step_done, self.resumed_from = 0, None
         # async_rollout: the next step's rollout; training's stream and its green context (async_sms)
@@ -742,7 +752,7 @@ def _fused_loss(self: OPSDTrainer, b, num_items):
     from opsd.fused_triton import chunk_fn_for
     cfg = self.cfg
     hs = _final_hidden(self.model, b, "student", cfg.packed)                                 # (B, L, H)
-    ht = self.teacher(lambda: _final_hidden(self.unwrapped, b, "teacher", cfg.packed))       # (B, L, H)
+    ht = self._teach(lambda: _final_hidden(self.unwrapped, b, "teacher", cfg.packed))        # (B, L, H)
     w = decoder_of(self.unwrapped)[1].get_output_embeddings().weight                         # (V, H)
     fn = chunk_fn_for(cfg.fused_kernel, hs.device, beta=cfg.beta, clip=cfg.clip, top_k=cfg.top_k, vocab=w.shape[0])
     return fused_divergence(hs, ht, w, b.labels, beta=cfg.beta, temperature=cfg.temperature, clip=cfg.clip,
@@ -750,13 +760,20 @@ def _fused_loss(self: OPSDTrainer, b, num_items):
                             diagnostics=True, chunk_fn=fn, valid_index=b.host.get("valid"))
 
 @patch
+def _teach(self: OPSDTrainer, fn):
+    "The teacher's pass (`Teacher`), reading the adapter weights themselves (an EMA teacher swaps its own in)."
+    if self._flat is None: return self.teacher(fn)
+    with self._flat.hidden(): return self.teacher(fn)
+
+@patch
 def forward_loss(self: OPSDTrainer, b, num_items=None):
     "Loss (over `num_items`, or the micro-batch's own count) and per-position instruments of one micro-batch."
     cfg = self.cfg
     with bf16_adapter_compute(self.unwrapped, cfg.bf16_adapters and self.acc.device.type == "cuda"):
+        if self._flat is not None: self._flat.gather(self.acc.device.type)   # this micro-batch's adapter views
         if cfg.fused and cfg.objective == "divergence": return self._fused_loss(b, num_items)
         s_logits = _completion_logits(self.model, b, "student", cfg.packed)                  # (B, L, V)
-        t_logits = self.teacher(lambda: _completion_logits(self.unwrapped, b, "teacher", cfg.packed))
+        t_logits = self._teach(lambda: _completion_logits(self.unwrapped, b, "teacher", cfg.packed))
     kw = dict(beta=cfg.beta, temperature=cfg.temperature, clip=cfg.clip, tau=cfg.tau, top_k=cfg.top_k)
     if cfg.objective == "divergence":
         return loss_and_diagnostics(s_logits, t_logits, b.labels, num_items=num_items, **kw)
@@ -780,6 +797,17 @@ def backward_all(self: OPSDTrainer, batches) -> BackwardResult:
     if len(batches) != self.accum: raise RuntimeError(f"{len(batches)} micro-batches, expected {self.accum}")
     out = BackwardResult({}, torch.zeros((), dtype=torch.float64, device=acc.device), [])
     self.model.train()
+    if self._flat is not None: self._flat.begin()   # the adapters' .grad: views of one float32 buffer
+    try: self._backward_batches(batches, n_global, out)
+    finally:
+        if self._flat is not None: self._flat.end()
+    if not acc.sync_gradients: raise RuntimeError("accelerate did not mark the last micro-batch as a sync step")
+    return out
+
+@patch
+def _backward_batches(self: OPSDTrainer, batches, n_global: float, out: BackwardResult):
+    "Each micro-batch's forward, loss and backward; its sums and position samples into `out`."
+    cfg, acc = self.cfg, self.acc
     for b in batches:   # packed rows and valid positions found on the host, then non-blocking copies: no host sync
         b = (host_prepared(b, cfg.packed) if b.labels.device.type == "cpu" else b).to(acc.device)
         with acc.accumulate(self.model):
@@ -794,8 +822,6 @@ def backward_all(self: OPSDTrainer, batches) -> BackwardResult:
         for k, v in diagnostic_sums(diag).items(): out.sums[k] = out.sums.get(k, 0) + v
         if cfg.log_positions: out.positions.append(diagnostics_frame(diag))
         del loss, diag
-    if not acc.sync_gradients: raise RuntimeError("accelerate did not mark the last micro-batch as a sync step")
-    return out
 
 
 # %% ../nbs/06_train.ipynb #152234c2
