@@ -17,9 +17,10 @@ __all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'FP8_ROLLOUT',
            'KERNEL_CLASSES', 'sync', 'time_fn', 'cuda_peak_extra', 'rss_bytes', 'reset_peak_rss', 'max_rss_bytes',
            'naive_loss', 'run_loss_variant', 'reference_grad', 'loss_bench_cpu', 'loss_bench_cuda', 'format_table',
            'loss_table', 'random_qwen3_checkpoint', 'bench_problems', 'rollout_bench', 'rollout_table',
-           'cut_completions', 'spread_lengths', 'e2e_bench', 'baseline_drift', 'e2e_table', 'overlap_table',
-           'targets_table', 'e2e_report', 'floors_table', 'kernel_class', 'kernel_times', 'kernel_breakdown',
-           'training_profile', 'profile_table', 'model_costs', 'phase_floors', 'device_rates', 'main']
+           'cut_completions', 'spread_lengths', 'engine_groups', 'check_one_engine', 'e2e_bench', 'baseline_drift',
+           'e2e_table', 'overlap_table', 'targets_table', 'e2e_report', 'floors_table', 'kernel_class', 'kernel_times',
+           'kernel_breakdown', 'training_profile', 'profile_table', 'model_costs', 'phase_floors', 'device_rates',
+           'main']
 
 # %% ../nbs/12_bench.ipynb #f44ed421
 def sync(device) -> None:
@@ -367,7 +368,8 @@ E2E_VARIANTS["opsd best + compile + packed + fused lora (mb 16)"] = dict(_fastes
 E2E_VARIANTS["opsd best + compile + async + packed + fused lora"] = dict(_fastest, async_rollout=True)
 # every adapter cast once per micro-batch and their gradients added to one float32 buffer (`flat_adapters`,
 # kernels.FlatAdapters): about 1,100 fewer ATen calls and launches a micro-batch at this shape (28 layers x 7 projections
-# x 2 weights: a cast, a cast back and an accumulation each), for the host-bound training half
+# x 2 weights: a cast, a cast back and an accumulation each); on an H100 (2026-12-06) 4,271 fewer launches and the same
+# training phase (1.17-1.18 s: kernels 1.07 s of it there); to measure where the host is the limit (the H200)
 _flat = dict(_fastest, flat_adapters=True)
 E2E_VARIANTS["opsd best + compile + packed + fused lora + flat adapters"] = _flat
 E2E_VARIANTS["opsd best + compile + packed + fused lora + flat adapters (mb 16)"] = dict(_flat, micro_batch_size=16)
@@ -455,6 +457,24 @@ def _step_shapes(tr, step: int) -> dict:
     idx = tr.plan(step).idx
     return dict(student_prompts=[len(tr.prompts(i)[0]) for i in idx], teacher_prompts=[len(tr.prompts(i)[1]) for i in idx])
 
+def engine_groups(variants: dict, common: dict | None = None) -> dict:
+    "Variant names by the rollout engine they need (`engine_settings`: quantization, KV-cache dtype)."
+    out = {}
+    for name, over in variants.items():
+        c = {**E2E_COMMON, **(common or {}), **over}
+        out.setdefault((c.get("rollout_quantization"), c.get("rollout_kv_cache", "auto")), []).append(name)
+    return out
+
+def check_one_engine(variants: dict, rollout: str = "auto", common: dict | None = None):
+    """Refuse, before any model loads, variants that need two vLLM engines in one process: vLLM's sleep mode allows one
+    CuMem allocator a process (the second engine failed to start on the H100 of 2026-12-06)."""
+    from opsd.rollout import resolve_backend
+    groups = engine_groups(variants, common)
+    if len(groups) > 1 and resolve_backend(rollout) == "vllm":
+        raise ValueError("these variants need %d vLLM engines, and vLLM's sleep mode allows one a process: %s. Run each "
+                         "group in its own `python -m opsd.bench e2e --variants ...`" % (len(groups), "; ".join(
+                             f"quantization={q}, kv cache={k}: {', '.join(v)}" for (q, k), v in groups.items())))
+
 def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_checkpoint`)
               variants: dict | None = None, # name -> OPSDConfig overrides (+ `kernels`) (default: `E2E_DEFAULT`)
               steps: int = 4, warmup: int = 1, # timed steps after warm-up steps, per variant
@@ -475,6 +495,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
     import gc, tempfile, traceback
     from opsd.train import OPSDConfig, OPSDTrainer, engine_settings
     variants = {n: E2E_VARIANTS[n] for n in E2E_DEFAULT} if variants is None else variants
+    check_one_engine(variants, rollout, common)   # before any model loads
     problems = problems or bench_problems(64)
     run_root = Path(run_root or tempfile.mkdtemp(prefix="opsd-e2e-"))
     cuda = torch.cuda.is_available()
@@ -495,7 +516,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
                                 "vllm_memory": vllm_memory, "seed": 0, "kernels": kernels})
             t0 = time.perf_counter()
             key = engine_settings(cfg)
-            for k, e in engines.items():             # fp8 rows: the bf16 engine sleeps (frees its memory) meanwhile
+            for k, e in engines.items():             # HF engines of other settings (vLLM: refused above) set aside
                 if k != key: e.sleep()
             tr = OPSDTrainer(cfg, problems, model_path=str(model_dir), progress=progress, rollout=engines.get(key))
             engines.setdefault(key, tr.rollout)      # (the trainer applied cfg.kernels: the path `opsd train` runs)
