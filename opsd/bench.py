@@ -458,11 +458,12 @@ def _step_shapes(tr, step: int) -> dict:
     return dict(student_prompts=[len(tr.prompts(i)[0]) for i in idx], teacher_prompts=[len(tr.prompts(i)[1]) for i in idx])
 
 def engine_groups(variants: dict, common: dict | None = None) -> dict:
-    "Variant names by the rollout engine they need (`engine_settings`: quantization, KV-cache dtype)."
+    "Variant names by the rollout engine they need (`engine_settings` of each variant's config)."
+    from opsd.train import OPSDConfig, engine_settings
     out = {}
     for name, over in variants.items():
-        c = {**E2E_COMMON, **(common or {}), **over}
-        out.setdefault((c.get("rollout_quantization"), c.get("rollout_kv_cache", "auto")), []).append(name)
+        kw = {k: v for k, v in {**E2E_COMMON, **(common or {}), **over}.items() if k != "kernels"}   # may be 'best'
+        out.setdefault(engine_settings(OPSDConfig(**kw)), []).append(name)
     return out
 
 def check_one_engine(variants: dict, rollout: str = "auto", common: dict | None = None):

@@ -143,6 +143,10 @@ def fuse_lora(model) -> int:
     return n
 
 # %% ../nbs/05e_kernels.ipynb #f1a0c007
+def _views(flat: torch.Tensor, like: list) -> list:
+    "`flat` cut, in order, into views shaped as the tensors of `like`."
+    return [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in like]), like)]
+
 class _Gather(torch.autograd.Function):
     """Every adapter weight cast to `dtype` by one concatenation and one cast, handed out as views of that one tensor;
     backward concatenates the views' gradients and adds them to `grad` (flat, float32) in one kernel. `anchor` (an
@@ -150,9 +154,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, grad, dtype, *weights):
         ctx.grad = grad
-        flat, out, o = torch.cat([w.reshape(-1) for w in weights]).to(dtype), [], 0
-        for w in weights: out.append(flat[o:o + w.numel()].view(w.shape)); o += w.numel()
-        return tuple(out)
+        return tuple(_views(torch.cat([w.reshape(-1) for w in weights]).to(dtype), weights))
 
     @staticmethod
     def backward(ctx, *gs):
@@ -170,8 +172,7 @@ class FlatAdapters:
         if len(dts) != 1: raise ValueError(f"flat_adapters=True: the adapter weights differ in dtype or device: {dts}")
         (self.dtype, dev), = dts
         self.grad = torch.zeros(sum(w.numel() for w in self.weights), dtype=self.dtype, device=dev)
-        self.views, o = [], 0
-        for w in self.weights: self.views.append(self.grad[o:o + w.numel()].view(w.shape)); o += w.numel()
+        self.views = _views(self.grad, self.weights)
         self.anchor = torch.zeros(0, device=dev, requires_grad=True)
         self.active = False
 
@@ -183,6 +184,13 @@ class FlatAdapters:
                 if w.grad is not None: v.copy_(w.grad)   # a gradient from elsewhere is kept, as autograd would add to it
                 w.grad = v
         self.active = True
+
+    @contextmanager
+    def step(self):
+        "One optimizer step's micro-batches inside: `begin()` before, `end()` after (also on an error)."
+        self.begin()
+        try: yield self
+        finally: self.end()
 
     def gather(self, device_type: str):
         "Before a micro-batch's student forward: fill the slots with this micro-batch's views (autocast's dtype, if on)."

@@ -797,31 +797,23 @@ def backward_all(self: OPSDTrainer, batches) -> BackwardResult:
     if len(batches) != self.accum: raise RuntimeError(f"{len(batches)} micro-batches, expected {self.accum}")
     out = BackwardResult({}, torch.zeros((), dtype=torch.float64, device=acc.device), [])
     self.model.train()
-    if self._flat is not None: self._flat.begin()   # the adapters' .grad: views of one float32 buffer
-    try: self._backward_batches(batches, n_global, out)
-    finally:
-        if self._flat is not None: self._flat.end()
+    with self._flat.step() if self._flat is not None else nullcontext():   # adapters' .grad: one float32 buffer
+        for b in batches:   # packed rows and valid positions found on the host, then non-blocking copies: no host sync
+            b = (host_prepared(b, cfg.packed) if b.labels.device.type == "cpu" else b).to(acc.device)
+            with acc.accumulate(self.model):
+                if cfg.normalize == "global":
+                    loss, diag = self.forward_loss(b, n_global)
+                    scale, reported = self.accum * acc.num_processes, loss.detach().double()
+                else:   # the release: each micro-batch's own mean, averaged over micro-batches and processes
+                    loss, diag = self.forward_loss(b, None)
+                    scale, reported = 1.0, loss.detach().double() / (self.accum * acc.num_processes)
+                acc.backward(loss * scale)
+            out.loss_total += reported
+            for k, v in diagnostic_sums(diag).items(): out.sums[k] = out.sums.get(k, 0) + v
+            if cfg.log_positions: out.positions.append(diagnostics_frame(diag))
+            del loss, diag
     if not acc.sync_gradients: raise RuntimeError("accelerate did not mark the last micro-batch as a sync step")
     return out
-
-@patch
-def _backward_batches(self: OPSDTrainer, batches, n_global: float, out: BackwardResult):
-    "Each micro-batch's forward, loss and backward; its sums and position samples into `out`."
-    cfg, acc = self.cfg, self.acc
-    for b in batches:   # packed rows and valid positions found on the host, then non-blocking copies: no host sync
-        b = (host_prepared(b, cfg.packed) if b.labels.device.type == "cpu" else b).to(acc.device)
-        with acc.accumulate(self.model):
-            if cfg.normalize == "global":
-                loss, diag = self.forward_loss(b, n_global)
-                scale, reported = self.accum * acc.num_processes, loss.detach().double()
-            else:   # the release: each micro-batch's own mean, averaged over micro-batches and processes
-                loss, diag = self.forward_loss(b, None)
-                scale, reported = 1.0, loss.detach().double() / (self.accum * acc.num_processes)
-            acc.backward(loss * scale)
-        out.loss_total += reported
-        for k, v in diagnostic_sums(diag).items(): out.sums[k] = out.sums.get(k, 0) + v
-        if cfg.log_positions: out.positions.append(diagnostics_frame(diag))
-        del loss, diag
 
 
 # %% ../nbs/06_train.ipynb #152234c2

@@ -385,7 +385,8 @@ def _adapter_state(tr):
 
 
 @pytest.mark.parametrize("teacher,checkpointing", [("ema", 1.0), ("live", 0.0)])
-def test_flat_adapters_trainer_steps_equal_per_weight_path(tiny_ckpt, toy_problems, tmp_path, teacher, checkpointing):
+def test_flat_adapters_trainer_steps_equal_per_weight_path(tiny_ckpt, toy_problems, tmp_path, teacher, checkpointing,
+                                                           monkeypatch):
     """`flat_adapters` (every adapter cast once per micro-batch, gradients added to one float32 buffer) against the
     per-weight fused path: three float32 trainer steps of two micro-batches give the same losses, KLs, gradient norms
     and adapter weights, exactly (the same values into the same GEMMs; each gradient summed in micro-batch order). The
@@ -399,8 +400,9 @@ def test_flat_adapters_trainer_steps_equal_per_weight_path(tiny_ckpt, toy_proble
     kw = dict(model=str(tiny_ckpt), steps=3, batch_size=4, micro_batch_size=2, max_completion_length=8, lr=0.05,
               dtype="float32", log_positions=0, save_every=100, padding="aligned", fused_lora=True, teacher=teacher,
               checkpointing=checkpointing)
-    rows, weights, gathers = {}, {}, []
-    apply = _Gather.apply
+    rows, weights, gathers, backs = {}, {}, [], []
+    apply, back = _Gather.apply, _Gather.backward
+    monkeypatch.setattr(_Gather, "backward", staticmethod(lambda ctx, *gs: backs.append(1) or back(ctx, *gs)))
     for flat in (False, True):
         tr = OPSDTrainer(OPSDConfig.toy(run_dir=str(tmp_path / f"flat{flat}"), flat_adapters=flat, **kw),
                          toy_problems, progress=False)
@@ -408,7 +410,7 @@ def test_flat_adapters_trainer_steps_equal_per_weight_path(tiny_ckpt, toy_proble
         try: rows[flat] = [tr.step(s) for s in (1, 2, 3)]
         finally: _Gather.apply = apply
         weights[flat] = _adapter_state(tr)
-    assert len(gathers) == 3 * 2                                   # one gather per micro-batch, flat run only
+    assert len(gathers) == len(backs) == 3 * 2    # one gather per micro-batch, flat run only, and its views were read
     assert all(m.opsd_flat is None for m in tr._flat.mods)         # emptied after each step
     assert float(tr._flat.grad.abs().sum()) > 0                    # the buffer held the last step's gradients
     for a, b in zip(rows[False], rows[True]):
@@ -424,16 +426,21 @@ def test_flat_adapters_refusals(tiny_ckpt, toy_problems, tmp_path):
         OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path), flat_adapters=True)
 
 
-def test_compiled_flat_adapters_trainer_steps_without_recompiles(tiny_ckpt, toy_problems, tmp_path):
+def test_compiled_flat_adapters_trainer_steps_without_recompiles(tiny_ckpt, toy_problems, tmp_path, monkeypatch):
     """The fastest on-policy configuration with `flat_adapters` (compile + packed + fused_lora + flat_adapters), two
     float32 trainer steps against the eager packed trainer (1e-4 relative, as the test above), and Dynamo compiles
     nothing after the first step: the slots are new tensors every micro-batch, which a guard on their identity would
-    recompile for (graph count grows; after 8 the layers would fall back to eager). CPU, about 60 s."""
+    recompile for (graph count grows; after 8 the layers would fall back to eager); and the compiled layers really read
+    the slots (the gather's backward runs once per micro-batch: a projection that ignored them would still give the
+    right numbers through the per-weight cast, break tried: no backward ran). CPU, about 100 s."""
     from torch._dynamo.utils import counters
     from opsd.train import OPSDConfig, OPSDTrainer
     kw = dict(model=str(tiny_ckpt), steps=2, batch_size=4, micro_batch_size=2, max_completion_length=8, lr=0.05,
               dtype="float32", log_positions=0, save_every=100, padding="aligned", packed=True)
-    rows, graphs = {}, []
+    from opsd.kernels import _Gather
+    rows, graphs, backs = {}, [], []
+    back = _Gather.backward
+    monkeypatch.setattr(_Gather, "backward", staticmethod(lambda ctx, *gs: backs.append(1) or back(ctx, *gs)))
     for name, over in (("eager", {}), ("fast", dict(kernels="compile", fused_lora=True, flat_adapters=True))):
         torch._dynamo.reset(); counters.clear()
         tr = OPSDTrainer(OPSDConfig.toy(run_dir=str(tmp_path / name), **kw, **over), toy_problems, progress=False)
@@ -441,6 +448,7 @@ def test_compiled_flat_adapters_trainer_steps_without_recompiles(tiny_ckpt, toy_
         for s in (1, 2):
             rows[name].append(tr.step(s)); graphs.append(counters["stats"]["unique_graphs"])
     assert tr._flat is not None and tr.unwrapped.opsd_kernels == "compile"
+    assert len(backs) == 2 * 2   # the compiled layers read the slots: their gradients came back through the gather
     assert graphs[2] > 0 and graphs[3] == graphs[2], graphs
     for a, b in zip(rows["eager"], rows["fast"]):
         for k in ("loss", "kl/true", "grad_norm"):
