@@ -244,7 +244,7 @@ def _line_keys(frame: pl.DataFrame, by) -> list[str]:
 
 
 def _groups(frame: pl.DataFrame, keys: list[str]) -> list[tuple[str, str, pl.DataFrame]]:
-    "(label, colour, rows) per line, clip modes in CLIP_ORDER first."
+    "(label, colour, rows) per line, clip modes in CLIP_ORDER first; other labels in distinct colours."
     if not keys:
         return [("all", clip_color("none"), frame)]
     out = []
@@ -256,7 +256,12 @@ def _groups(frame: pl.DataFrame, keys: list[str]) -> list[tuple[str, str, pl.Dat
         rank = CLIP_ORDER.index(d.get("clip")) if d.get("clip") in CLIP_ORDER else len(CLIP_ORDER)
         out.append((rank, label, colour, g))
     out.sort(key=lambda t: (t[0], t[1]))
-    return [t[1:] for t in out]
+    used, lines = set(), []
+    for _, label, colour, g in out:   # two labels hashed to one palette colour: the later one takes the next free one
+        if colour in used and "clip" not in keys:
+            colour = next((c for c in _PALETTE if c not in used), colour)
+        used.add(colour); lines.append((label, colour, g))
+    return lines
 
 
 def _integer_steps(fig: go.Figure, frame: pl.DataFrame, x: str = "step") -> None:
