@@ -1,5 +1,7 @@
 """Issue 18: what staleness costs on the real model, SmolLM2-135M-Instruct, on one GPU: one step of it
-(`async_rollout`, the arm `async`) or a group of k steps sampled at once (`steps_per_rollout`, the arms `k2`, `k4`).
+(`async_rollout`, the arm `async`), a group of k steps sampled at once (`steps_per_rollout`, the arms `k2`, `k4`), or
+the two together (`k4async`: a group of 4 sampled beside the previous group's training, mean age about 2.5; the
+bench's fastest row).
 
 The demo's SmolLM2 recipe (the world preset: 50 steps of 32 completions, scaled clip), synchronous against each arm,
 over seeds, every run through `opsd.demo.run_world_jobs` (the trainer's own step) with one shared vLLM engine; then a greedy
@@ -9,7 +11,7 @@ per-run effects and the paired arm - sync differences with 95% t-intervals. Seed
 evaluated and written to OUT_JSON before the next starts, so a call cut by its time box keeps every finished seed
 (the first run, 2026-12-04, trained 5.5 of 6 runs and evaluated none).
 Usage (H200, after the sets are unpacked):
-    python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--arms async|k2,k4|async,k2,k4] [--smoke]
+    python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--arms async|k2,k4|async,k2,k4|k4async] [--smoke]
 --arms: the arms trained beside `sync` (default `async`, the first study's); the JSON has, per measure, each arm's
 interval and `diff_<arm>`, the paired arm - sync difference (the first study's file, 2026-12-04, names them `async_`
 and `diff`).
@@ -27,7 +29,8 @@ from opsd.plots import seed_interval
 from opsd.rollout import make_rollout
 from opsd.worlds import resolve_world
 
-ARMS = {"async": {"async_rollout": True}, "k2": {"steps_per_rollout": 2}, "k4": {"steps_per_rollout": 4}}
+ARMS = {"async": {"async_rollout": True}, "k2": {"steps_per_rollout": 2}, "k4": {"steps_per_rollout": 4},
+        "k4async": {"steps_per_rollout": 4, "async_rollout": True}}   # k4async: the bench's fastest row (mean age 2.5)
 argv = sys.argv[1:]
 arms = ["async"]
 if "--arms" in argv:
