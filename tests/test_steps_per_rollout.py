@@ -157,3 +157,23 @@ def test_resumed_inside_a_group_the_engine_sleeps_through_training(sharp_ckpt, t
         setattr(ro, name, lambda *a, _f=f, _n=name, **k: (events.append(_n), _f(*a, **k))[1])
     assert tr.resume() == 1 and sorted(tr._pending.samples) == [2, 3]
     assert events.index("generate") < len(events) - 1 and events[-1] == "sleep", events
+
+
+def test_fresh_kl_reproduces_a_logged_step(sharp_ckpt, toy_problems, tmp_path):
+    """tools/fresh_kl.py measures a checkpoint's own samples through the trainer's own code: from step 2's checkpoint of
+    a release run (k = 1), step 3's problems give step 3's logged kl/true, clipped teacher-argmax share and token count
+    (same weights, problems and sampling seed), exactly. Break that made it fail: the measuring trainer's teacher set
+    to 'live' (the adapters left on in the teacher pass)."""
+    import importlib.util
+    from pathlib import Path
+    from opsd.runs import read_metrics
+    spec = importlib.util.spec_from_file_location("fresh_kl", Path(__file__).parents[1] / "tools" / "fresh_kl.py")
+    fk = importlib.util.module_from_spec(spec); spec.loader.exec_module(fk)
+    run = tmp_path / "run"
+    make_trainer(sharp_ckpt, toy_problems, run, steps=3, save_every=2).fit()
+    logged = read_metrics(run).filter(step=3).row(0, named=True)
+    got = fk.fresh_rows(run, [3], at=2, model_path=str(sharp_ckpt), problems=toy_problems, prompt_config=None)
+    assert len(got) == 1 and got[0]["at"] == 2 and got[0]["tokens"] == logged["tokens"]
+    assert got[0]["kl_fresh"] == pytest.approx(logged["kl/true"], rel=1e-10, abs=0)
+    assert got[0]["argmax_clipped_fresh"] == pytest.approx(logged["entry/argmax_clipped_frac"], rel=1e-10, abs=0)
+    assert logged["kl/true"] > 1e-3, "teacher and student must differ for the check to mean anything"

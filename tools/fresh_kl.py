@@ -12,7 +12,8 @@ adapter is loaded with `load_checkpoint`, and for each step of STEPS the trainer
 from the final weights (`_generate`, seeded by the step) and measures them (`batches`, `forward_loss` under no_grad:
 the same teacher pass and instruments as training, no update). Writes one row per run and step (kl/true, the clipped
 teacher-argmax share, tokens) to OUT.csv. The check of the tool: for a k = 1 run, `--at 75` with STEPS 76-76 must give
-the logged kl/true of step 76 (same weights, problems and sampling seed)."""
+the logged kl/true of step 76 (same weights, problems and sampling seed); tests/test_steps_per_rollout.py checks the
+same on a tiny float64 run."""
 import sys, tempfile
 from pathlib import Path
 
@@ -26,19 +27,22 @@ from opsd.toy import TOY_PROMPT, make_problems, toy_config
 from opsd.train import OPSDConfig, OPSDTrainer, load_checkpoint
 
 
-def fresh_rows(run_dir: Path, steps, at: int | None = None) -> list[dict]:
-    "kl/true and the clipped teacher-argmax share of the final weights' own samples of `steps`' problems."
+def fresh_rows(run_dir: Path, steps, at: int | None = None, model_path: str | None = None,
+               problems: list[dict] | None = None, prompt_config=TOY_PROMPT) -> list[dict]:
+    """kl/true and the clipped teacher-argmax share of a checkpoint's own samples of `steps`' problems (default: the
+    last checkpoint; the toy study's base, training problems and prompt; tests pass their own)."""
     import json
     cfg = OPSDConfig.from_dict(json.loads((run_dir / "config.json").read_text()), source=str(run_dir / "config.json"))
     ck = latest_checkpoint(run_dir) if at is None else run_dir / "checkpoints" / f"step-{at}"
     if ck is None or not ck.exists() or (at is None and checkpoint_step(ck) != cfg.steps):
         raise ValueError(f"{run_dir}: no checkpoint {'of the last step' if at is None else ck.name}; train the run first")
-    path = _toy_base("soft", {})   # the study's toy world and base (run_study of tools/steps_per_rollout_study.py)
-    train_set = make_problems(2000, seed=cfg.seed, split="train", **toy_config("soft").problem_kw())
+    if model_path is None:   # the study's toy world and base (run_study of tools/steps_per_rollout_study.py)
+        model_path = str(_toy_base("soft", {}))
+        problems = make_problems(2000, seed=cfg.seed, split="train", **toy_config("soft").problem_kw())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         mcfg = cfg.replace(run_dir=tmp, steps_per_rollout=1, async_rollout=False)
-        tr = OPSDTrainer(mcfg, train_set, model_path=str(path), prompt_config=TOY_PROMPT, progress=False)
+        tr = OPSDTrainer(mcfg, problems, model_path=model_path, prompt_config=prompt_config, progress=False)
         load_checkpoint(ck, tr.unwrapped, tr.optimizer, tr.scheduler, tr.teacher)
         tr.sync()                                    # the rollout engine samples from the loaded adapter
         tr.model.eval()
