@@ -22,7 +22,7 @@ import torch
 
 from opsd.demo import _toy_base
 from opsd.diagnostics import diagnostic_sums
-from opsd.runs import latest_checkpoint, checkpoint_step
+from opsd.runs import checkpoint_step, latest_checkpoint, read_config
 from opsd.toy import TOY_PROMPT, make_problems, toy_config
 from opsd.train import OPSDConfig, OPSDTrainer, load_checkpoint
 
@@ -31,8 +31,7 @@ def fresh_rows(run_dir: Path, steps, at: int | None = None, model_path: str | No
                problems: list[dict] | None = None, prompt_config=TOY_PROMPT) -> list[dict]:
     """kl/true and the clipped teacher-argmax share of a checkpoint's own samples of `steps`' problems (default: the
     last checkpoint; the toy study's base, training problems and prompt; tests pass their own)."""
-    import json
-    cfg = OPSDConfig.from_dict(json.loads((run_dir / "config.json").read_text()), source=str(run_dir / "config.json"))
+    cfg = OPSDConfig.from_dict(read_config(run_dir), source=str(run_dir / "config.json"))
     ck = latest_checkpoint(run_dir) if at is None else run_dir / "checkpoints" / f"step-{at}"
     if ck is None or not ck.exists() or (at is None and checkpoint_step(ck) != cfg.steps):
         raise ValueError(f"{run_dir}: no checkpoint {'of the last step' if at is None else ck.name}; train the run first")
