@@ -1,7 +1,8 @@
 """Issue 18: what staleness costs on the real model, SmolLM2-135M-Instruct, on one GPU: one step of it
 (`async_rollout`, the arm `async`), a group of k steps sampled at once (`steps_per_rollout`, the arms `k2`, `k4`), or
 the two together (`k4async`: a group of 4 sampled beside the previous group's training, mean age about 2.5; the
-bench's fastest row).
+bench's fastest row). The arms `entry` and `none` instead train the release's synchronous step with that clip (finding
+2's greedy accuracy against `scaled`, paired by seed, in the same engine).
 
 The demo's SmolLM2 recipe (the world preset: 50 steps of 32 completions, scaled clip), synchronous against each arm,
 over seeds, every run through `opsd.demo.run_world_jobs` (the trainer's own step) with one shared vLLM engine; then a greedy
@@ -11,8 +12,8 @@ per-run effects and the paired arm - sync differences with 95% t-intervals. Seed
 evaluated and written to OUT_JSON before the next starts, so a call cut by its time box keeps every finished seed
 (the first run, 2026-12-04, trained 5.5 of 6 runs and evaluated none).
 Usage (H200, after the sets are unpacked):
-    python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--arms async|k2,k4|async,k2,k4|k4async] [--smoke]
---arms: the arms trained beside `sync` (default `async`, the first study's); the JSON has, per measure, each arm's
+    python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--arms A,B,...] [--smoke]
+--arms: the arms (of ARMS) trained beside `sync` (default `async`); the JSON has, per measure, each arm's
 interval and `diff_<arm>`, the paired arm - sync difference (the first study's file, 2026-12-04, names them `async_`
 and `diff`).
 --smoke: the same code on CPU at toy size (4 steps of 4 completions, 16 tokens, 4 held-out problems, HF engine), to
@@ -30,7 +31,9 @@ from opsd.rollout import make_rollout
 from opsd.worlds import resolve_world
 
 ARMS = {"async": {"async_rollout": True}, "k2": {"steps_per_rollout": 2}, "k4": {"steps_per_rollout": 4},
-        "k4async": {"steps_per_rollout": 4, "async_rollout": True}}   # k4async: the bench's fastest row (mean age 2.5)
+        "k4async": {"steps_per_rollout": 4, "async_rollout": True},   # k4async: the bench's fastest row (mean age 2.5)
+        "entry": {}, "none": {}}   # the clip arms: the release's synchronous step with another clip (`CLIP_ARMS`)
+CLIP_ARMS = {"entry", "none"}   # an arm named after a clip trains that clip; every other arm trains `scaled`, as sync
 argv = sys.argv[1:]
 arms = ["async"]
 if "--arms" in argv:
@@ -52,8 +55,9 @@ if smoke:
 n_test, last, new_tokens = (4, 4, 16) if smoke else (100, 50, 128)
 jobs = []
 for label, extra in [("sync", {})] + [(a, ARMS[a]) for a in arms]:
-    for j in demo_jobs(out, clips=["scaled"], seeds=seeds, recipe=recipe, world="smollm2", **extra):
-        j["name"] = f"smollm2-scaled-{label}-s{j['seed']}"
+    clip = label if label in CLIP_ARMS else "scaled"
+    for j in demo_jobs(out, clips=[clip], seeds=seeds, recipe=recipe, world="smollm2", **extra):
+        j["name"] = f"smollm2-{clip}-{'sync' if label in CLIP_ARMS else label}-s{j['seed']}"   # entry: smollm2-entry-sync-s0
         j["run_dir"], j["label"] = str(out / j["name"]), label
         jobs.append(j)
 jobs.sort(key=lambda j: (j["seed"], j["label"]))   # seed-major: a cut call leaves whole seeds
