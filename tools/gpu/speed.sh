@@ -25,7 +25,8 @@
 #           tests/test_packing.py and tools/gpu/find_syncs.py (needs no vLLM: HF generate samples without it)
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
 #           (ARMS=k2,k4: sync vs steps_per_rollout 2 and 4 instead; ARMS=k4async: 4 per rollout, overlapped;
-#           ARMS=entry,none: the other clips, synchronous, against scaled; with the smollm2 set carried too)
+#           ARMS=entry,none: the other clips, synchronous, against scaled; SEEDS=3 (seeds 0-2), a range SEEDS=3-8 or
+#           a list SEEDS=3,5: more seeds on a fresh machine; with the smollm2 set carried too)
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
 # $OUT/e2e_speed.jsonl as each variant finishes, so a run cut by the time limit keeps the variants it finished.
 source tools/gpu/env.sh

@@ -13,6 +13,8 @@ evaluated and written to OUT_JSON before the next starts, so a call cut by its t
 (the first run, 2026-12-04, trained 5.5 of 6 runs and evaluated none).
 Usage (H200, after the sets are unpacked):
     python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--arms A,B,...] [--smoke]
+SEEDS: a count n (seeds 0..n-1, the default 3), a range a-b or a list a,b,c (more seeds on a fresh machine without
+retraining the earlier ones; pairs stay within a seed, so seeds from two calls can be pooled).
 --arms: the arms (of ARMS) trained beside `sync` (default `async`); the JSON has, per measure, each arm's
 interval and `diff_<arm>`, the paired arm - sync difference (the first study's file, 2026-12-04, names them `async_`
 and `diff`).
@@ -45,7 +47,14 @@ if "--arms" in argv:
 args = [a for a in argv if a != "--smoke"]
 smoke = "--smoke" in argv
 out, dest = Path(args[0]), Path(args[1])
-seeds = int(args[2]) if len(args) > 2 else 3
+def parse_seeds(text: str) -> int | list[int]:
+    "SEEDS: a count n (seeds 0..n-1), a range 'a-b' (a..b, both in) or a list 'a,b,c'."
+    try:
+        if "-" in text: a, b = (int(x) for x in text.split("-")); return list(range(a, b + 1))
+        if "," in text: return [int(x) for x in text.split(",")]
+        return int(text)
+    except ValueError: sys.exit(f"SEEDS must be a count, a range a-b or a list a,b,c; got {text!r}")
+seeds = parse_seeds(args[2]) if len(args) > 2 else 3
 t_all = time.perf_counter()
 w = resolve_world("smollm2")
 recipe = DemoRecipe(k=1)   # the demo's own evaluation (the world's: greedy); the one below at steps 0 and `last` is the measure
