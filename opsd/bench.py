@@ -19,8 +19,8 @@ __all__ = ['LOSS_KW', 'QWEN3_1P7B', 'E2E_COMMON', 'E2E_VARIANTS', 'FP8_ROLLOUT',
            'loss_table', 'random_qwen3_checkpoint', 'bench_problems', 'rollout_bench', 'rollout_table',
            'cut_completions', 'spread_lengths', 'engine_groups', 'check_one_engine', 'e2e_bench', 'baseline_drift',
            'e2e_table', 'overlap_table', 'targets_table', 'e2e_report', 'floors_table', 'kernel_class', 'kernel_times',
-           'kernel_breakdown', 'training_profile', 'profile_table', 'model_costs', 'phase_floors', 'device_rates',
-           'main']
+           'kernel_breakdown', 'training_profile', 'profile_table', 'train_alone', 'alone_table', 'model_costs',
+           'phase_floors', 'device_rates', 'main']
 
 # %% ../nbs/12_bench.ipynb #f44ed421
 def sync(device) -> None:
@@ -489,6 +489,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
               bracket: bool = True, # measure the first variant again at the end (`baseline_drift`)
               cut: float | None = None, # cut completions to spread lengths (`spread_lengths(cut)`); None: as generated
               profile: bool = False, # one more step per synchronous variant, its training half under torch.profiler
+              alone: int = 0, # then (one step per rollout, synchronous): one more rollout, its training half 1 + alone times
              ) -> list[dict]:
     """Median seconds per `OPSDTrainer.step` (rollout/train/sync/overlap), tok/s, peak memory, floors, per variant.
     With `steps_per_rollout` k > 1 one step of each group samples and the others take their share, so warm-up and
@@ -542,6 +543,8 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
                     print(json.dumps(dict(variant=name, step=s, wall=round(wall, 3), **shown)), flush=True)
                 if profile and not over.get("async_rollout"):   # after the timed steps: they stay unprofiled
                     with training_profile(tr, row.setdefault("profile", {})): tr.step(warm + timed + 1)
+                if alone and not over.get("async_rollout") and spr == 1:   # the training half after a rollout and alone
+                    row.update(train_alone(tr, warm + timed + 1 + bool(profile), repeats=alone))
             groups = [per[j:j + spr] for j in range(0, len(per), spr)]   # spr = 1: every step its own group
             med = lambda key: (statistics.median(statistics.fmean(float(r[key]) for r in g) for g in groups)
                                if per and all(r.get(key) is not None for r in per) else None)
@@ -676,7 +679,7 @@ def e2e_report(rows: list[dict]) -> str:
            "engine generated the full length, so the rollout column is not a real model's; read the training phase"
            if cuts else "")
     return "\n\n".join([e2e_table(rows), cut, baseline_drift(rows) or "", targets_table(rows), overlap_table(rows),
-                        profile_table(rows), floors_table(rows)])
+                        profile_table(rows), alone_table(rows), floors_table(rows)])
 
 def floors_table(rows: list[dict]) -> str:
     "The floors each row was compared with (seconds per step) and the device rates they assume."
@@ -773,6 +776,39 @@ def profile_table(rows: list[dict]) -> str:
                                                  ("kind", "class", ""), ("count", "count", ",.0f"),
                                                  ("s", "s", ".3f")]) if tops else "")
 
+# %% ../nbs/12_bench.ipynb #5e0c2a98
+def train_alone(tr, step: int, # the trainer, and a step number its loop has not run yet
+                repeats: int = 3, # runs of the training half after the first
+               ) -> dict:
+    """Sample step `step` (the trainer's own rollout, and vLLM's sleep after it), then run its training half (`batches`,
+    `backward_all`, `update`: what `time/train` times) 1 + `repeats` times on those completions: the first right after
+    the rollout, as in the loop, the others with nothing in between. Returns their seconds."""
+    if repeats < 1: raise ValueError(f"train_alone: repeats must be >= 1, got {repeats}")
+    if tr.cfg.async_rollout or tr.cfg.steps_per_rollout != 1:
+        raise ValueError("train_alone: needs a synchronous trainer with one step per rollout, got "
+                         f"async_rollout={tr.cfg.async_rollout}, steps_per_rollout={tr.cfg.steps_per_rollout}")
+    dev = tr.acc.device
+    plan = tr.plan(step)
+    samples = tr.sample(plan)
+    times = []
+    for _ in range(1 + repeats):
+        sync(dev); t = time.perf_counter()
+        tr.backward_all(tr.batches(plan.mine, samples.comps)); tr.update()
+        sync(dev); times.append(time.perf_counter() - t)
+    alone = statistics.median(times[1:])
+    return dict(train_after_rollout_s=times[0], train_alone_s=alone, rollout_cost_s=times[0] - alone,
+                train_alone_runs_s=times)
+
+def alone_table(rows: list[dict]) -> str:
+    "The training half right after a rollout against alone (`train_alone`), beside the loop's own `train s`."
+    out = [r for r in rows if r.get("train_alone_s") is not None]
+    return format_table(out, [("variant", "variant (`--alone`: one more rollout, then its training half)", ""),
+                              ("train_s", "train s (loop, median)", ".2f"),
+                              ("train_after_rollout_s", "right after the rollout s", ".2f"),
+                              ("train_alone_s", "alone s (median)", ".2f"),
+                              ("rollout_cost_s", "difference s", "+.2f")]) if out else ""
+
+
 # %% ../nbs/12_bench.ipynb #3ec34fa4
 def model_costs(config, # a transformers config of a Llama/Qwen3-shaped decoder
                 dtype: str = "bfloat16", # weights' dtype (bytes per parameter)
@@ -863,6 +899,9 @@ def main(argv=None):
                         "real model's that stop at EOS; read the training phase)")
     p.add_argument("--profile", action="store_true",
                    help="e2e: one more step per synchronous variant with its training half under torch.profiler")
+    p.add_argument("--alone", type=int, default=0, metavar="N",
+                   help="e2e: then one more rollout per synchronous variant and its training half 1 + N times: right "
+                        "after the rollout, then alone (`train_alone`)")
     p.add_argument("--rollout", "--backend", dest="rollout", default="auto", choices=["auto", "hf", "vllm"])
     p.add_argument("--vllm-memory", type=float, default=None)
     p.add_argument("--batches", default="32,128", help="rollout: batch sizes")
@@ -890,7 +929,8 @@ def main(argv=None):
         if unknown: raise SystemExit(f"unknown e2e variants {sorted(unknown)}; known: {list(E2E_VARIANTS)}")
         rows = e2e_bench(_bench_model(a), {n: E2E_VARIANTS[n] for n in names}, steps=a.steps, warmup=a.warmup,
                          rollout=a.rollout, vllm_memory=a.vllm_memory or 0.3, jsonl=a.jsonl,
-                         bracket=not a.no_bracket, cut=a.cut, profile=a.profile)
+                         bracket=not a.no_bracket, cut=a.cut, profile=a.profile,
+                         alone=a.alone)
         table = e2e_report(rows)
     else:
         if not cuda: raise SystemExit("rollout needs a CUDA device (Qwen3-1.7B's shape)")

@@ -5,7 +5,8 @@
 #           E2E_DEFAULT's variants (time box: LIMIT - 130 s from the start), then the GPU checks of tests/test_kernels.py
 #   tests   only the GPU checks of tests/test_kernels.py
 #   e2e     only the bench (VARIANTS="a,b" to choose variants, STEPS=4, CUT=0.125 for completions of spread lengths,
-#           PROFILE=1 for the kernels of each synchronous variant's training half, NOBRACKET=1: no repeat of the first)
+#           PROFILE=1 for the kernels of each synchronous variant's training half, NOBRACKET=1: no repeat of the first,
+#           ALONE=3: the training half right after a rollout against alone, the 0.36 s question)
 #   stall   pytest tests/test_gpu_stall.py (needs the smollm2 set too; about 2-3 minutes)
 #   async   e2e with ASYNC_VARIANTS (time box LIMIT - 100 s), then the CUDA tests of tests/test_async.py (HF, vLLM)
 #   packed  e2e with PACKED_VARIANTS (time box LIMIT - 60 s), then the CUDA tests of tests/test_packing.py (flash varlen)
@@ -59,6 +60,7 @@ e2e() {
   cmd="$cmd${PROFILE:+ --profile}"   # PROFILE=1: one more step per synchronous variant, training half under torch.profiler
   cmd="$cmd${VLLM_MEMORY:+ --vllm-memory $VLLM_MEMORY}"   # the engine's share of the GPU (default 0.3)
   cmd="$cmd${NOBRACKET:+ --no-bracket}"   # NOBRACKET=1: the first variant is not measured again at the end
+  cmd="$cmd${ALONE:+ --alone $ALONE}"   # ALONE=3: one more rollout per synchronous variant, its training half 1 + 3 times
   echo "+ $cmd ${VARIANTS:+--variants \"$VARIANTS\"}   (time box ${left} s)"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   t0=$(date +%s)

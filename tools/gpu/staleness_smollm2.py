@@ -79,7 +79,14 @@ print(f"engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
 test_set = w.problems(n_test, seed=10_000, split="test")
 prompt_cfg = w.prompt_config(None)
 greedy = w.eval_sampling(0, max_new_tokens=new_tokens)   # the world's greedy setting: the demo's rows of it are reused
-label = {j["name"]: j["label"] for j in jobs}
+
+
+def arm_of(run: str) -> str | None:
+    """The arm of a run folder's name (smollm2-scaled-k4async-s3: k4async; smollm2-entry-sync-s0: entry): runs an earlier
+    call left in OUT_RUNS are summarized with this call's (pairs stay within a seed)."""
+    parts = run.split("-")
+    if len(parts) != 4 or parts[0] != "smollm2": return None
+    return parts[1] if parts[1] in CLIP_ARMS else parts[2]
 
 
 def summarize(done: list) -> dict:
@@ -87,8 +94,9 @@ def summarize(done: list) -> dict:
     metrics, evals, _ = demo_frames(out)
     evals = evals.filter(pl.col("key_temperature") == 0.0, pl.col("key_n") == n_test,   # the measure's setting only
                          pl.col("key_max_new_tokens") == new_tokens)
-    fx = seed_effects(metrics, evals).with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
-    m = metrics.with_columns(pl.col("run").replace_strict(label, default=None).alias("variant"))
+    arm = pl.col("run").map_elements(arm_of, return_dtype=pl.String).alias("variant")
+    fx = seed_effects(metrics, evals).with_columns(arm)
+    m = metrics.with_columns(arm)
     late = pl.col("step") > 1   # step times after the first (warm-up); the rollout age over every step
     speed = m.group_by("variant").agg(pl.col("seconds").filter(late).median().alias("median_s_per_step"),
                                       pl.col("time/rollout").filter(late).median().alias("median_rollout_s"),
@@ -96,7 +104,8 @@ def summarize(done: list) -> dict:
                                       pl.col("rollout_age").mean().alias("mean_rollout_age"))
     res = dict(runs=fx.select("run", "variant", "seed", "acc_base", "acc_change", "kl_first", "kl_change").to_dicts(),
                speed=speed.to_dicts(), train=done, seconds=round(time.perf_counter() - t_all, 1))
-    w_ = fx.pivot(on="variant", index="seed", values=["acc_change", "kl_change"]).drop_nulls().sort("seed")
+    w_ = (fx.filter(pl.col("variant").is_in(["sync", *arms]))   # other arms in the folder would drop seeds they lack
+          .pivot(on="variant", index="seed", values=["acc_change", "kl_change"]).drop_nulls().sort("seed"))
     for name in ("acc_change", "kl_change"):
         if w_.height == 0 or f"{name}_sync" not in w_.columns: break
         s = w_[f"{name}_sync"].to_list()
