@@ -497,6 +497,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
     import gc, tempfile, traceback
     from opsd.train import OPSDConfig, OPSDTrainer, engine_settings
     variants = {n: E2E_VARIANTS[n] for n in E2E_DEFAULT} if variants is None else variants
+    if alone < 0: raise ValueError(f"e2e_bench: alone must be >= 0 (repeats of the training half), got {alone}")
     check_one_engine(variants, rollout, common)   # before any model loads
     problems = problems or bench_problems(64)
     run_root = Path(run_root or tempfile.mkdtemp(prefix="opsd-e2e-"))
