@@ -427,6 +427,12 @@ E2E_VARIANTS["opsd best + compile + packed + fused lora + fp8 rollout"] = dict(
 E2E_VARIANTS["opsd best + compile + packed + fused lora + flat adapters + fp8 rollout"] = dict(_flat, **FP8_ROLLOUT)
 E2E_VARIANTS["opsd best + compile + async + packed + fused lora + flat adapters (4 steps per rollout)"] = dict(
     _flat, async_rollout=True, steps_per_rollout=4)
+# the issue's own overlap (one step off-policy) with the compiled layers, and with training confined to 96 SMs beside it
+E2E_VARIANTS["opsd best + compile + async + packed + fused lora + flat adapters"] = dict(_flat, async_rollout=True)
+E2E_VARIANTS["opsd best + compile + async + packed + fused lora + flat adapters (sms 96)"] = dict(
+    _flat, async_rollout=True, async_sms=96)
+E2E_VARIANTS["opsd best + compile + async + packed + fused lora + flat adapters + fp8 rollout"] = dict(
+    _flat, async_rollout=True, **FP8_ROLLOUT)
 # a compiled row pays Inductor's compiling in its warm-up step (35 s cold on the H200, 2026-12-06; 17 s with Inductor's
 # disk cache warm from an earlier process): allow for it in a time box
 E2E_DEFAULT = ["released", "opsd best", "opsd best + liger + packed",

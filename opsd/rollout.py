@@ -13,9 +13,9 @@ from .collate import as_ids, eos_set, trim_at_eos, pad_eos_ids, left_pad
 from .loss import sampled_token_logprobs
 
 # %% auto #0
-__all__ = ['WARM_SAMPLINGS', 'VLLM_FIX', 'ROLLOUT_BACKENDS', 'SamplingConfig', 'Rollout', 'finish_rows', 'HFRollout',
-           'merged_state_dict', 'vllm_sampling_kwargs', 'sampler_variant', 'sampler_warmup_sizes', 'vllm_env',
-           'require_vllm', 'engine_stream', 'VLLMRollout', 'resolve_backend', 'make_rollout']
+__all__ = ['WARM_SAMPLINGS', 'WAKE_MARGIN', 'VLLM_FIX', 'ROLLOUT_BACKENDS', 'SamplingConfig', 'Rollout', 'finish_rows',
+           'HFRollout', 'merged_state_dict', 'vllm_sampling_kwargs', 'sampler_variant', 'sampler_warmup_sizes',
+           'make_room', 'vllm_env', 'require_vllm', 'engine_stream', 'VLLMRollout', 'resolve_backend', 'make_rollout']
 
 # %% ../nbs/05_rollout.ipynb #cdfad322
 @dataclass
@@ -242,6 +242,29 @@ def sampler_warmup_sizes(sampling: SamplingConfig) -> tuple[int, ...]:
 WARM_SAMPLINGS = (SamplingConfig(), SamplingConfig(top_k=0, top_p=0.95), SamplingConfig(top_k=20, top_p=1.0))
 
 
+# %% ../nbs/05_rollout.ipynb #69ddebb5
+WAKE_MARGIN = 1 << 30   # bytes kept free beyond what the engine maps back: its scratch tensors of the first step
+
+def make_room(need: int, # bytes the engine maps back when it wakes (what its sleep freed)
+              margin: int = WAKE_MARGIN, # more bytes wanted free beyond `need`; the cache is emptied to reach them
+              free_fn=None, # () -> free bytes on the device (default: torch.cuda.mem_get_info)
+              empty_fn=None, # () -> None: hand torch's cached blocks back (default: torch.cuda.empty_cache)
+              what: str = "the vLLM engine", # named in the error
+             ) -> bool: # True when torch's cache had to be emptied
+    "Before a sleeping engine wakes: free torch's cached blocks if `need` + `margin` bytes are not free; raise if `need` is not."
+    free_fn = free_fn or (lambda: torch.cuda.mem_get_info()[0])
+    empty_fn = empty_fn or torch.cuda.empty_cache
+    if free_fn() >= need + margin: return False
+    empty_fn()
+    if (free := free_fn()) >= need: return True
+    gib = 2**30
+    raise torch.OutOfMemoryError(
+        f"{what} needs {need / gib:.2f} GiB to wake and {free / gib:.2f} GiB are free even after emptying torch's "
+        f"cache: live tensors hold the rest (a larger micro-batch, or tensors kept from the step). Lower "
+        f"micro_batch_size or the engine's gpu_memory_utilization, or free them first; the engine was not touched and "
+        f"stays asleep, so it can wake once there is room")
+
+
 # %% ../nbs/05_rollout.ipynb #db18b862
 _VLLM_MODEL_PATHS = (("llm_engine", "model_executor", "driver_worker", "worker", "model_runner", "model"),
                      ("llm_engine", "model_executor", "driver_worker", "model_runner", "model"),
@@ -350,6 +373,7 @@ class VLLMRollout:
         self.quantization = llm_kwargs.get("quantization")   # weights quantized by vLLM as it loads them (online)
         self.kv_cache_dtype = llm_kwargs.get("kv_cache_dtype", "auto")
         self.asleep, self.weights_valid = 0, True  # sleep level (0 = awake); False after a level-2 sleep until reloaded
+        self.sleep_bytes, self.room_emptied = 0, 0  # what the last sleep freed; wakes that emptied torch's cache
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else None
         self.warmed: dict[tuple, float] = {}  # sampler variant -> seconds its warm-up took (see `sampler_warmup_sizes`)
         if warm:
@@ -359,8 +383,9 @@ class VLLMRollout:
         "Free the engine's GPU memory: level 1 moves weights to CPU, 2 drops them (None: 2 if a source can refill)."
         if not self.enable_sleep_mode or self.asleep: return
         if level is None: level = 2 if self.source is not None else 1
+        free0 = torch.cuda.mem_get_info()[0]
         self.llm.sleep(level=level)
-        self.asleep = level
+        self.asleep, self.sleep_bytes = level, max(0, torch.cuda.mem_get_info()[0] - free0)
         if level >= 2: self.weights_valid = False
 
     def wake_up(self):
@@ -372,10 +397,16 @@ class VLLMRollout:
                                    "model: "
                                    "call sync_weights(model) before generating")
             return self.sync_weights(self.source)
+        self._make_room()
         self.llm.wake_up(); self.asleep = 0
+
+    def _make_room(self):
+        "Before mapping the engine's memory back: room for all of it, or an error while the engine is still asleep."
+        if self.asleep and self.sleep_bytes: self.room_emptied += make_room(self.sleep_bytes)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]):
         "Load full HF-named weights into the engine (waking only its weights first) and drop the prefix cache."
+        self._make_room()
         if self.asleep: self.llm.wake_up(tags=["weights"])
         if self.quantization:   # vLLM's layerwise reload quantizes the bf16 weights again, into the same storage
             self.llm.collective_rpc(_rpc_reload_weights, args=(list(state.items()),))

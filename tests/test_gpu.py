@@ -7,6 +7,8 @@ One engine serves the whole module (vLLM does not free an engine cleanly inside 
 * sleep (level 2: weights discarded) then `sync_weights` gives the same greedy completions; generate after a sleep
   reloads the weights from the source model by itself;
 * evaluation through vLLM of a tiny run (base + one LoRA checkpoint) in the same engine;
+* a sleeping engine wakes only where its memory fits: torch's cached blocks are handed back first, and live tensors
+  that leave no room raise before vLLM maps anything (the engine then wakes normally once they are freed);
 * on SmolLM2's real weights (opsd.smollm2), in a fresh process with its own engine: vLLM greedy after `sync_weights`
   equals HF greedy of the merged student.
 """
@@ -195,6 +197,35 @@ for p, a, b in zip(prompts, want, got):
 print("RESULT " + json.dumps(dict(want=want, got=got, before=before, base_hf=base_hf, gaps=gaps,
                                   text=tok.decode(got[0], skip_special_tokens=True))))
 '''
+
+
+def test_wake_makes_room_or_refuses(setup):
+    """A sleeping engine wakes only where its memory fits. Torch's cached blocks (training's peak, reserved after the
+    step) are handed back first: the case that lost an engine for good on an H100 at micro-batch 16 (vLLM maps its
+    blocks back one by one; out of memory half-way, every later wake fails). Live tensors that leave no room make
+    the wake raise before vLLM maps anything, and the engine wakes normally once they are freed."""
+    ro, student = setup["ro"], setup["student"]
+    sc = SamplingConfig(temperature=0, max_new_tokens=24)
+    ro.sync_weights(student)
+    ref = ro.generate(setup["prompts"], sc).completion_ids
+    ro.sleep()
+    need = ro.sleep_bytes
+    assert need > 2**20, f"the sleep should have freed the engine's memory, measured {need} bytes"
+    block = torch.empty(torch.cuda.mem_get_info()[0] - need // 2, dtype=torch.uint8, device="cuda")
+    del block  # now torch's cache: reserved, so less than `need` is free to the engine
+    assert torch.cuda.mem_get_info()[0] < need
+    emptied = ro.room_emptied
+    assert ro.generate(setup["prompts"], sc).completion_ids == ref
+    assert ro.room_emptied == emptied + 1
+    ro.sleep()
+    hold = torch.empty(torch.cuda.mem_get_info()[0] - need // 2, dtype=torch.uint8, device="cuda")
+    with pytest.raises(torch.OutOfMemoryError, match="stays asleep"):
+        ro.generate(setup["prompts"], sc)
+    assert ro.asleep
+    del hold
+    torch.cuda.empty_cache()
+    assert ro.generate(setup["prompts"], sc).completion_ids == ref
+    print(f"engine {need / 2**30:.2f} GiB; wakes that emptied torch's cache: {ro.room_emptied}")
 
 
 def test_smollm2_vllm_greedy_after_sync_equals_merged_hf(tmp_path):
