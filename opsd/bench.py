@@ -530,6 +530,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
             tr = OPSDTrainer(cfg, problems, model_path=str(model_dir), progress=progress, rollout=engines.get(key))
             engines.setdefault(key, tr.rollout)      # (the trainer applied cfg.kernels: the path `opsd train` runs)
             row["setup_s"] = time.perf_counter() - t0
+            emptied0 = getattr(tr.rollout, "room_emptied", 0)   # wakes that had to empty torch's cache (`make_room`)
             costs = costs or model_costs(tr.unwrapped.config, cfg.dtype)
             per, spr = [], cfg.steps_per_rollout
             warm, timed = -(-warmup // spr) * spr, -(-steps // spr) * spr   # whole groups of spr steps
@@ -552,6 +553,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
                     with training_profile(tr, row.setdefault("profile", {})): tr.step(warm + timed + 1)
                 if alone and not over.get("async_rollout") and spr == 1:   # the training half after a rollout and alone
                     row.update(train_alone(tr, warm + timed + 1 + bool(profile), repeats=alone))
+            row["wakes_emptied"] = getattr(tr.rollout, "room_emptied", 0) - emptied0   # in the JSON rows only
             groups = [per[j:j + spr] for j in range(0, len(per), spr)]   # spr = 1: every step its own group
             med = lambda key: (statistics.median(statistics.fmean(float(r[key]) for r in g) for g in groups)
                                if per and all(r.get(key) is not None for r in per) else None)
