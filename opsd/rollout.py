@@ -249,7 +249,6 @@ def make_room(need: int, # bytes the engine maps back when it wakes (what its sl
               margin: int = WAKE_MARGIN, # more bytes wanted free beyond `need`; the cache is emptied to reach them
               free_fn=None, # () -> free bytes on the device (default: torch.cuda.mem_get_info)
               empty_fn=None, # () -> None: hand torch's cached blocks back (default: torch.cuda.empty_cache)
-              what: str = "the vLLM engine", # named in the error
              ) -> bool: # True when torch's cache had to be emptied
     "Before a sleeping engine wakes: free torch's cached blocks if `need` + `margin` bytes are not free; raise if `need` is not."
     free_fn = free_fn or (lambda: torch.cuda.mem_get_info()[0])
@@ -259,7 +258,7 @@ def make_room(need: int, # bytes the engine maps back when it wakes (what its sl
     if (free := free_fn()) >= need: return True
     gib = 2**30
     raise torch.OutOfMemoryError(
-        f"{what} needs {need / gib:.2f} GiB to wake and {free / gib:.2f} GiB are free even after emptying torch's "
+        f"the vLLM engine needs {need / gib:.2f} GiB to wake and {free / gib:.2f} GiB are free even after emptying torch's "
         f"cache: live tensors hold the rest (a larger micro-batch, or tensors kept from the step). Lower "
         f"micro_batch_size or the engine's gpu_memory_utilization, or free them first; the engine was not touched and "
         f"stays asleep, so it can wake once there is room")
