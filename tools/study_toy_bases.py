@@ -1,9 +1,9 @@
-"""The toy's base x seed study: `opsd demo --clips entry scaled none` on SFT seeds 0, 1, 2 of the soft base.
+"""The toy clip study over bases and seeds: `opsd demo --clips entry scaled none` on SFT seeds 0, 1, 2 of the soft base.
 
     python tools/study_toy_bases.py [--bases 0 1 2] [--seeds 3] [--out runs/study-toy-bases]
 
-Runs go to the (ignored) `--out` folder; `python -m opsd.results add toy-bases ...` copies their raw data into the
-results store. Base 0 is the demo's own base: its folder equals what `opsd demo --clips entry scaled none` writes.
+Runs go to the (ignored) `--out` folder; `python -m opsd.results add toy-clips runs/study-toy-bases ...` copies
+their raw data into the results store. Base 0 is the demo's own base: its folder equals what `opsd demo --clips entry scaled none` writes.
 """
 import argparse, json, time
 from opsd.demo import run_demo
