@@ -4,7 +4,7 @@ Each explanation notebook except `findings` reads only `results/` (through `opsd
 run top to bottom in one in-process shell (execnb, as nbdev_test runs notebooks; cells flagged slow/gpu/vllm skipped,
 as nbdev_test skips them), and the text it prints is compared with the text saved in the notebook: a change of the
 store, of `opsd.results` or of a notebook's code that changes a printed number fails here, naming the cell. Figures
-are not rendered (plotly's `json` renderer): only text is compared, and the README figure `kl_drift` writes is not
+are not rendered (`Figure.show` does nothing here): only text is compared, and the README figure `kl_drift` writes is not
 rewritten. A notebook whose study is not in the store yet is skipped.
 """
 import json
@@ -52,6 +52,7 @@ def test_explanation_reproduces_its_saved_text(name, monkeypatch):
     monkeypatch.chdir(FOLDER)
     monkeypatch.setattr(opsd.plots, "notebook_figures", lambda *a, **k: "json")
     monkeypatch.setattr(go.Figure, "write_image", lambda self, *a, **k: None)
+    monkeypatch.setattr(go.Figure, "show", lambda self, *a, **k: None)   # figures: not rendered, not compared
     monkeypatch.setattr(pio.renderers, "default", "json")
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     shell = CaptureShell()
