@@ -13,8 +13,8 @@ from .repro import pin_numerics
 from .loss import CLIP_MODES
 from .train import OPSDConfig, OPSDTrainer, read_yaml
 from .runs import load_model
-from .train import TEACHER_MODES, SCHEDULERS, ROLLOUTS, OBJECTIVES, NORMALIZE, EMA_STARTS, DTYPES, LAYOUTS, LOSS_KERNELS
-from .train import upgrade_config
+from .config import TEACHER_MODES, SCHEDULERS, ROLLOUTS, OBJECTIVES, NORMALIZE, EMA_STARTS, DTYPES, LAYOUTS, LOSS_KERNELS
+from .config import upgrade_config, field_help
 from .kernels import DECODER_KERNELS
 from .recipes import RECIPES, load_recipe
 from .runs import read_metrics, read_config
@@ -42,17 +42,18 @@ def add_config_flags(p, # an argparse (sub)parser
                      names=TRAIN_FLAGS, # OPSDConfig fields that get a flag
                     ):
     "One `--field-name` flag per OPSDConfig field: type from the dataclass, choices from the config's constants."
-    fields = {f.name: f for f in dataclasses.fields(OPSDConfig)}
+    fields, helps = {f.name: f for f in dataclasses.fields(OPSDConfig)}, field_help()
     for n in names:
         if n not in fields: raise ValueError(f"add_config_flags: {n!r} is not an OPSDConfig field")
         f, flag = fields[n], "--" + n.replace("_", "-")
         kind = str(f.type).split("|")[0].strip()
         if kind == "bool":
-            p.add_argument(flag, dest=n, action=argparse.BooleanOptionalAction, default=None, help=f"config field {n}")
+            p.add_argument(flag, dest=n, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"config field {n}: {helps[n]}".replace("%", "%%"))
         else:
             ch = CONFIG_CHOICES.get(n)
             p.add_argument(flag, dest=n, type=_TYPES.get(kind, str), choices=ch, default=None,
-                           help=f"config field {n}" + (f": {', '.join(ch)}" if ch else ""))
+                           help=f"config field {n}: {helps[n]}".replace("%", "%%"))
     return p
 
 # %% ../nbs/11_cli.ipynb #b05015dc

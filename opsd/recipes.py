@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 import opsd
-from .train import OPSDConfig, read_yaml
+from .config import OPSDConfig, read_yaml
 
 # %% auto #0
 __all__ = ['RECIPES_DIR', 'RECIPES', 'STEP_FIELDS', 'recipe_path', 'read_recipe', 'load_recipe', 'recipe_config', 'equal_config']

@@ -13,256 +13,27 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, normaliser, CLIP_MODES
+from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, normaliser
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_frame
 from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_problems, check_context, model_context
-from .collate import collate, trim_at_eos, PAD_MODES
+from .collate import collate, trim_at_eos
+from .config import OPSDConfig, TEACHER_MODES, EMA_STARTS, upgrade_config
+# re-exported: `from opsd.train import OPSDConfig, read_yaml, ...` keeps working (05h_config is their home)
+from .config import (read_yaml, LORA_TARGETS, SCHEDULERS, OBJECTIVES, ROLLOUTS, NORMALIZE, LOSS_KERNELS,  # noqa: F401
+                         LAYOUTS, RENAMED, RETIRED)
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
-from .kernels import DECODER_KERNELS, apply_kernels, fuse_lora
+from .kernels import apply_kernels, fuse_lora
 from .packing import host_prepared, side_logits, side_hidden, use_packed_attention
 from .overlap import Overlap
-from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
+from .runs import RunDir, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
 
 # %% auto #0
-__all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS', 'LOSS_KERNELS',
-           'LAYOUTS', 'RENAMED', 'RETIRED', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'OPSDConfig',
-           'upgrade_config', 'read_yaml', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing',
+__all__ = ['CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing',
            'bf16_adapter_compute', 'Teacher', 'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan',
            'Samples', 'PendingRollout', 'BackwardResult', 'UpdateResult', 'Timings', 'rollout_engine_kw',
            'engine_settings', 'OPSDTrainer', 'length_groups', 'padded_share', 'config_differences', 'check_run_config',
            'check_same_base', 'base_fingerprint', 'train']
-
-# %% ../nbs/06_train.ipynb #026df365
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-TEACHER_MODES = ("fixed", "ema", "live")
-SCHEDULERS = ("linear", "cosine", "constant")
-OBJECTIVES = ("divergence", "sampled_token")
-ROLLOUTS = ("auto", "hf", "vllm")
-NORMALIZE = ("global", "micro_batch")
-EMA_STARTS = ("first_update", "init")
-LOSS_KERNELS = ("logits", "torch", "triton", "auto")   # full logits (the release), or the chunked loss (opsd.fused)
-LAYOUTS = PAD_MODES + ("packed",)   # `padding`: the two of opsd.collate, or aligned rows packed (opsd.packing)
-
-@dataclass
-class OPSDConfig:
-    """Everything a run needs; defaults are the released Qwen3-1.7B recipe (`configs/recipes/released.yaml`). Fields
-    come in groups: the run, the objective, the layout of a micro-batch, kernels of the training phase, LoRA,
-    optimisation, rollout, prompts, logging. Renamed and retired fields of older runs' config.json are read through
-    `upgrade_config`."""
-    # -- the run
-    model: str = "Qwen/Qwen3-1.7B"  # from_pretrained path or hub name ('toy', 'toy:soft', 'toy:copy' in the CLI)
-    data: str | None = None  # problems file (jsonl/parquet) or datasets name; None: the toy world (CLI)
-    run_dir: str = "runs/opsd"  # the run folder
-    name: str | None = None  # run name in the metrics (default: the folder name)
-    seed: int = 0
-    # -- the objective (the loss's math: opsd.loss)
-    objective: str = "divergence"  # 'divergence' (full-vocabulary) or 'sampled_token'
-    beta: float = 0.0  # 0 forward KL(t||s), 1 reverse, else generalized JSD
-    temperature: float = 1.1  # loss temperature (= sampling temperature in the release)
-    clip: str = "entry"  # 'entry' (released), 'token', 'scaled' (direction-preserving), 'none'
-    tau: float = 0.05  # clip threshold; <= 0 turns the clip off (as the release's --jsd_token_clip 0)
-    top_k: int | None = None  # loss over the teacher's top-k entries; None or 0 = the full vocabulary
-    normalize: str = "global"  # 'global' token count of the step (exact) or 'micro_batch' (the release's mean of means)
-    mask_pad_completion: bool = False  # the release masks completion tokens equal to the pad id; opsd keeps them
-    teacher: str = "fixed"  # 'fixed' (adapters disabled), 'ema', 'live'
-    ema_decay: float = 0.999  # the release's EMA decay
-    ema_start: str = "first_update"  # 'first_update' (released: set from the student after the first update), 'init'
-    # -- the layout of a micro-batch
-    padding: str = "released"  # 'released' (right-padded prompts: the pad gap consumes positions), 'aligned' (every
-    #                            row numbered from 0) or 'packed' (aligned rows end to end without pad columns, attention
-    #                            varlen inside each row, opsd.packing: the aligned loss and update to rounding)
-    length_grouping: bool = False  # micro-batches of completions of similar length (longest first): fewer pad
-    #                                columns, the same loss and update to rounding (needs aligned/packed, global norm)
-    # -- kernels of the training phase (each gives the same numbers to rounding; speed in results/speed.csv)
-    loss_kernel: str = "logits"  # the loss: 'logits' (full (B, L, V) logits, the release), 'torch' (the chunked loss
-    #                              from hidden states, opsd.fused), 'triton' (its chunk math as one Triton kernel;
-    #                              forward KL, full vocabulary) or 'auto' (chunked: Triton on CUDA where it applies)
-    loss_chunk: int = 1024  # positions per chunk of the chunked loss
-    decoder_kernels: str = "none"  # the student's decoder layers: 'none', 'liger' (Liger-Kernel's RMSNorm/RoPE/SwiGLU,
-    #                                CUDA) or 'compile' (torch.compile of each layer; CPU too): opsd.kernels
-    fused_lora: bool = False  # each adapted projection's LoRA scale and add folded into one GEMM (opsd.kernels.fuse_lora;
-    #                           the same sum, rounded once)
-    # -- LoRA
-    lora_r: int = 64
-    lora_alpha: float = 128
-    lora_dropout: float = 0.0
-    lora_targets: tuple = LORA_TARGETS
-    # -- optimisation
-    lr: float = 5e-6
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.1  # <= 0: no clipping
-    batch_size: int = 32  # completions per optimizer step (all processes together)
-    micro_batch_size: int = 4  # completions per forward/backward
-    steps: int = 100
-    scheduler: str = "linear"  # 'linear', 'cosine', 'constant'
-    warmup_steps: int = 0
-    save_every: int = 25  # checkpoint every k steps (and at the end)
-    dtype: str = "bfloat16"  # model weights' dtype ('float32' on CPU)
-    checkpointing: float = 1.0  # share of decoder layers with gradient checkpointing (released: all; 0 = none)
-    cpu_threads: int = 1  # torch threads when training on CPU, fixed so that a result does not depend on the
-    #                       machine's core count or OMP_NUM_THREADS (0: torch's default; see nbs/05a_repro)
-    bf16_adapters: bool = False  # LoRA compute in bf16 under autocast (no fp32 cast of each LoRA input); CUDA only:
-    #                              ignored on CPU, where the adapters compute in the weights' dtype
-    # -- rollout (sampling the completions)
-    max_completion_length: int = 1024
-    sample_temperature: float = 1.1
-    top_p: float = 0.95
-    sample_top_k: int = 20
-    rollout: str = "auto"  # 'auto' (vLLM on CUDA when installed, else HF), 'hf' or 'vllm'
-    vllm_memory: float = 0.3  # vLLM's share of GPU memory (weights + KV cache), colocated with training
-    vllm_sleep: bool = True  # vLLM sleeps (frees its memory) during the training phase of each step
-    rollout_quantization: str | None = None  # vLLM: 'fp8' samples from the student's weights quantized to fp8 as they
-    #                                          load (a departure: completions from an approximation of the student)
-    rollout_kv_cache: str = "auto"  # vLLM's KV-cache dtype: 'auto' (the weights') or 'fp8' (a departure, as above)
-    replicate_rollout: bool = False  # every process samples the whole step batch (exactly equal to 1 process)
-    steps_per_rollout: int = 1  # one engine call samples the completions of this many steps, from the weights before
-    #                             the first (TRL's steps_per_generation); > 1 is a departure: step t+i trains on
-    #                             completions i updates old. 1: every step samples its own (the release)
-    async_rollout: bool = False  # one step off-policy: step t trains on completions sampled before step t-1's update,
-    #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
-    # -- prompts (overrides of opsd.data.PromptConfig fields)
-    prompt: dict = field(default_factory=dict)
-    # -- logging
-    log_positions: int = 0  # per-position instruments sampled per step into positions.jsonl
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self): setattr(self, f.name, _check_type(f, getattr(self, f.name)))
-        checks = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=LAYOUTS, scheduler=SCHEDULERS,
-                      objective=OBJECTIVES, rollout=ROLLOUTS, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES,
-                      loss_kernel=LOSS_KERNELS, decoder_kernels=DECODER_KERNELS,
-                      rollout_quantization=(None, "fp8"), rollout_kv_cache=("auto", "fp8"))
-        for k, allowed in checks.items():
-            if getattr(self, k) not in allowed:
-                raise ValueError(f"config field {k}={getattr(self, k)!r}: must be one of {allowed}")
-        ranges = dict(batch_size=(1, None), micro_batch_size=(1, None), steps=(1, None), save_every=(1, None),
-                      max_completion_length=(1, None), lora_r=(1, None), loss_chunk=(1, None), warmup_steps=(0, None),
-                      log_positions=(0, None), sample_top_k=(0, None), beta=(0, 1), checkpointing=(0, 1),
-                      lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None), steps_per_rollout=(1, None))
-        ranges.update(seed=(0, 2**32 - 1), cpu_threads=(0, None))   # seed: numpy's seeds are 32-bit
-        for k, (lo, hi) in ranges.items():
-            v = getattr(self, k)
-            if v < lo or (hi is not None and v > hi):
-                raise ValueError(f"config field {k}={v!r}: must be in [{lo}, {'inf' if hi is None else hi}]")
-        for k in ("lr", "temperature", "lora_alpha"):
-            if not getattr(self, k) > 0: raise ValueError(f"config field {k}={getattr(self, k)!r}: must be > 0")
-        if not 0 < self.top_p <= 1: raise ValueError(f"config field top_p={self.top_p!r}: must be in (0, 1]")
-        if self.fused_lora and self.lora_dropout > 0:   # with dropout peft's own forward would run: nothing fused
-            raise ValueError(f"config field fused_lora=True needs lora_dropout=0 (it is {self.lora_dropout})")
-        if not 0 < self.vllm_memory < 1:
-            raise ValueError(f"config field vllm_memory={self.vllm_memory!r}: must be in (0, 1)")
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f"config field ema_decay={self.ema_decay!r}: must be in [0, 1)")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"config field top_k={self.top_k!r}: must be >= 0 (0 or None = off)")
-        self.lora_targets = tuple(self.lora_targets)
-        valid = [f.name for f in dataclasses.fields(PromptConfig)]
-        bad = sorted(set(self.prompt) - set(valid))
-        if bad: raise ValueError(f"config field prompt: unknown key(s) {bad}; valid keys: {valid}")
-        if self.async_rollout: self.vllm_sleep = False   # the engine stays awake: it samples while training runs
-        if self.length_grouping and (self.padding == "released" or self.normalize != "global"):
-            raise ValueError(f"config field length_grouping=True needs padding='aligned' (or 'packed') and "
-                             f"normalize='global' (got padding={self.padding!r}, normalize={self.normalize!r}): with "
-                             "the release's padding a row's positions, and with per-micro-batch means the loss, "
-                             "depend on its micro-batch")
-
-    @classmethod
-    def toy(cls, **kw) -> "OPSDConfig":
-        "The CPU preset for the embedded toy world (SPEC: LoRA r8, batch 32, lr 1e-3, T 1.1, tau 0.05)."
-        base = dict(model="toy:soft", lora_r=8, lora_alpha=16, lr=1e-3, max_grad_norm=1.0, batch_size=32,
-                    micro_batch_size=32, steps=100, save_every=25, dtype="float32", max_completion_length=64,
-                    run_dir="runs/toy", log_positions=64, checkpointing=0.0, rollout="hf")
-        return cls(**{**base, **kw})
-
-    def replace(self, **kw) -> "OPSDConfig": return dataclasses.replace(self, **kw)
-
-    def to_dict(self) -> dict:
-        d = asdict(self); d["lora_targets"] = list(self.lora_targets); return d
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "OPSDConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        if d.get("sample_seeding", "row") != "row":   # a field of 2026-12-04/05, removed: see 05_rollout, Seeding
-            raise ValueError(f"{source}: config field sample_seeding={d['sample_seeding']!r} was removed (its seed did "
-                             "not repeat on vLLM); every request is seeded seed + i, as 'row' was")
-        d = upgrade_config({k: v for k, v in d.items() if k != "sample_seeding"})   # 'row' (those days): today's way
-        unknown = sorted(set(d) - known)
-        if unknown: raise ValueError(f"{source}: unknown config field(s) {unknown}; known: {sorted(known)}")
-        try: return cls(**d)
-        except ValueError as e: raise ValueError(f"{source}: {e}") from None
-
-    @classmethod
-    def from_yaml(cls, path, base: "OPSDConfig | None" = None, **overrides) -> "OPSDConfig":
-        "Load a YAML file (a mapping of config fields) on top of `base`; keyword overrides win."
-        d = read_yaml(path)
-        if not isinstance(d, dict):
-            raise ValueError(f"{path}: expected a mapping of config fields, got {type(d).__name__}")
-        return cls.from_dict({**(base or cls()).to_dict(), **upgrade_config(d), **upgrade_config(overrides)},
-                             source=str(path))
-
-RENAMED = dict(kernels="decoder_kernels", fused_chunk="loss_chunk")   # a field's name in older runs' config.json -> today's
-# retired fields (LOG.md) and the value at which each did nothing
-RETIRED = dict(async_queue=0, async_priority=False, async_carveout=0, async_sms=0, async_switch_ms=1.0, flat_adapters=False)
-
-def upgrade_config(d: dict) -> dict:
-    """A mapping of config fields, as any opsd version wrote it, in today's names: `RENAMED` fields renamed, `fused` and
-    `fused_kernel` as `loss_kernel`, `packed` as `padding='packed'`. `RETIRED` fields (LOG.md says what each measured)
-    are dropped with a warning that names them: they changed the speed of a step, never its numbers."""
-    noop = lambda k: d[k] == RETIRED[k] and isinstance(d[k], bool) == isinstance(RETIRED[k], bool)
-    if gone := sorted(k for k in d if k in RETIRED and not noop(k)):
-        warnings.warn(f"config field(s) {gone} retired (LOG.md): ignored; a step computes the same numbers without them")
-    out = {RENAMED.get(k, k): v for k, v in d.items() if k not in RETIRED}
-    on = lambda v: v is True or (isinstance(v, str) and v.lower() in _TRUE)
-    if "fused" in out or "fused_kernel" in out:   # fused=False: full logits whatever fused_kernel said
-        fused, kernel = out.pop("fused", False), out.pop("fused_kernel", "auto")
-        out["loss_kernel"] = kernel if on(fused) else out.get("loss_kernel", "logits")
-    if "packed" in out and on(out.pop("packed")): out["padding"] = "packed"
-    return out
-
-def read_yaml(path) -> dict | list | None:
-    "A YAML file's content; a missing file or malformed YAML is a one-line error naming the file (and line)."
-    import yaml
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} " + ("is a folder" if path.is_dir() else "does not exist"))
-    try: return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ValueError(f"{path}: {where}not valid YAML ({what})") from None
-    except UnicodeDecodeError as e: raise ValueError(f"{path}: not a text file ({e.reason})") from None
-
-_TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
-
-def _check_type(f, v):
-    "A config value converted to its field's type (strings that spell a number or bool), or a clear error."
-    t = str(f.type).replace(" ", "")
-    optional = t.endswith("|None")
-    base = t[:-5] if optional else t
-    if v is None:
-        if optional: return v
-        raise ValueError(f"config field {f.name}: must not be empty (None)")
-    bad = lambda want: ValueError(f"config field {f.name}={v!r}: expected {want}, got {type(v).__name__}")
-    if base == "bool":
-        if isinstance(v, bool): return v
-        if isinstance(v, str) and v.lower() in _TRUE + _FALSE: return v.lower() in _TRUE
-        raise bad("true or false")
-    if base in ("int", "float"):
-        if isinstance(v, str):
-            try: v = float(v.strip())
-            except ValueError: raise bad("a number") from None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v): raise bad("a finite number")
-        if base == "int":
-            if float(v) != int(v): raise bad("an integer")
-            return int(v)
-        return float(v)
-    if base == "str":
-        if not isinstance(v, str): raise bad("a string")
-        return v
-    if base == "dict" and not isinstance(v, dict): raise bad("a mapping")
-    if base == "tuple" and not isinstance(v, (list, tuple)): raise bad("a list")
-    return v
 
 # %% ../nbs/06_train.ipynb #8b368d88
 def add_lora(model, cfg: OPSDConfig):
