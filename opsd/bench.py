@@ -370,22 +370,34 @@ def e2e_table(rows: list[dict]) -> str:
                               ("ratio", f"vs {_baseline(rows)[0]['variant']}", ".2f"), ("peak_gib", "peak GiB", ".1f"),
                               ("backend", "rollout", ""), ("error", "error", "")])
 
-SPEED_COLUMNS = ("variant", "device", "commit", "s_step", "rollout_s", "train_s", "sync_s", "tok_s", "peak_gib",
-                 "ratio_to_released")
+SPEED_COLUMNS = ("variant", "recipe", "device", "commit", "date", "s_step", "stat", "rollout_s", "wait_s", "train_s",
+                 "sync_s", "tok_s", "peak_gib", "mean_age", "released_s_step", "ratio_to_released", "source")
 
 def speed_rows(result: list[dict], # `e2e_bench`'s rows (one process)
                device: str, # the machine, e.g. 'NVIDIA H100 80GB HBM3'
                commit: str, # the tree measured (`git rev-parse --short HEAD`)
+               source: str = "", # where the raw JSON rows are kept (a file name in the store)
               ) -> list[dict]: # one row a measured variant, the columns `SPEED_COLUMNS`
-    """Rows for the speed table (`results/speed.csv`): one per variant that ran (failed rows and the bracket's repeat
-    left out). `s_step` is the median seconds a step, `rollout_s` the seconds the step's rollouts ran (async: beside
-    training, so more than the step waited), `tok_s` completion tokens a second, `peak_gib` torch's peak allocated
-    memory a step (None on CPU), and `ratio_to_released` the row's tok/s over `released`'s in the same process (the
-    faster of its two measurements), None where the process ran no `released` row."""
-    base = _base_rate(result, released_only=True)
-    return [dict(variant=r["variant"], device=device, commit=commit, s_step=r["s_per_step"], rollout_s=r["rollout_s"],
-                 train_s=r["train_s"], sync_s=r["sync_s"], tok_s=r["tokens_per_s"], peak_gib=r["peak_gib"],
-                 ratio_to_released=r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None)
+    """Rows for the speed table (`results/speed.csv`, read by `opsd.results.speed_table`): one per variant that ran
+    (failed rows and the bracket's repeat left out). `s_step` is the median seconds a step (`stat` says of what: with
+    `steps_per_rollout` k > 1, of k-step means), `rollout_s` the seconds the step's rollouts ran (async: beside
+    training, so more than the step waited, `wait_s`), `tok_s` completion tokens a second, `peak_gib` torch's peak
+    allocated memory a step (None on CPU), `recipe` the variant's recipe name (None for an ablation), and
+    `ratio_to_released` the `released` row's `s_step` over this row's, in the same process (None where the process
+    ran no `released` row)."""
+    import datetime
+    from opsd.recipes import RECIPES
+    ref = next((r for r in result if r["variant"] == "released" and not r.get("again_of") and not r.get("error")), None)
+    def stat(r):
+        k, n = r.get("steps_per_rollout") or 1, r.get("steps")
+        return f"median of {n} steps" if k == 1 else f"median of {n // k} means of {k} steps" if n and n // k > 1 \
+            else f"mean of {k} steps"
+    return [dict(variant=r["variant"], recipe=r["variant"] if r["variant"] in RECIPES else None, device=device,
+                 commit=commit, date=datetime.date.today().isoformat(), s_step=r["s_per_step"], stat=stat(r),
+                 rollout_s=r["rollout_s"], wait_s=r.get("wait_s"), train_s=r["train_s"], sync_s=r["sync_s"],
+                 tok_s=r["tokens_per_s"], peak_gib=r["peak_gib"], mean_age=r.get("age"),
+                 released_s_step=ref["s_per_step"] if ref else None,
+                 ratio_to_released=ref["s_per_step"] / r["s_per_step"] if ref else None, source=source)
             for r in result if not r.get("error") and not r.get("again_of") and r.get("s_per_step") is not None]
 
 def e2e_report(rows: list[dict]) -> str:

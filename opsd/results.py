@@ -376,15 +376,15 @@ def speed_table(store=None)->pl.DataFrame:
 
 def recipe_speed(recipe:str, store=None)->dict:
     "Per device: the recipe's speed rows that have a `released` row in the same process, and their ratios."
-    t = speed_table(store).filter(pl.col("recipe") == recipe, pl.col("ratio").is_not_null())
+    t = speed_table(store).filter(pl.col("recipe") == recipe, pl.col("ratio_to_released").is_not_null())
     if not t.height: raise LookupError(f"no speed row of recipe {recipe!r} with a released row in the same process")
-    return {d: g.sort("ratio").to_dicts() for (d,), g in t.group_by(["device"], maintain_order=True)}
+    return {d: g.sort("ratio_to_released").to_dicts() for (d,), g in t.group_by(["device"], maintain_order=True)}
 
 def speed_claim(recipe:str, store=None)->str:
     "One line: the recipe's ratio to `released` in each process, by device."
     parts = []
     for dev, rows in sorted(recipe_speed(recipe, store).items()):
-        r = ", ".join(f"{x['ratio']:.2f}× ({x['s_step']:.2f} s against {x['released_s_step']:.2f} s; {x['stat']})"
+        r = ", ".join(f"{x['ratio_to_released']:.2f}× ({x['s_step']:.2f} s against {x['released_s_step']:.2f} s; {x['stat']})"
                       for x in rows)
         parts.append(f"{dev}: {r}")
     return "; ".join(parts)
