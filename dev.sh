@@ -76,9 +76,9 @@ run_tests() {
 
 readme() {  # README.md from nbs/index.ipynb (nbdev_readme needs quarto, which is not installable offline)
   # cells tagged remove-input (the tables computed from the results store) show their output only
-  "$VENV/bin/jupyter" nbconvert --to markdown --stdout --TagRemoveInputPreprocessor.enabled=True \
-      --TagRemoveInputPreprocessor.remove_input_tags remove-input nbs/index.ipynb 2>/dev/null \
-    | sed -e 's#](images/#](nbs/images/#g' -e 's#](\([0-9a-z][0-9a-z_/]*\.ipynb\)#](nbs/\1#g' > README.md
+  "$VENV/bin/jupyter" nbconvert --to markdown --stdout --TagRemovePreprocessor.enabled=True \
+      --TagRemovePreprocessor.remove_input_tags='["remove-input"]' nbs/index.ipynb 2>/dev/null \
+    | sed -e 's#](images/#](nbs/images/#g' -e 's#](\([0-9a-z][0-9a-z_/]*\.ipynb\)#](nbs/\1#g' | cat -s > README.md
   echo "[dev.sh] README.md written from nbs/index.ipynb"
 }
 

@@ -11,10 +11,12 @@ import polars as pl
 
 from .repro import pin_numerics
 from .loss import CLIP_MODES
-from .collate import PAD_MODES
 from .train import OPSDConfig, OPSDTrainer, read_yaml
 from .runs import load_model
-from .train import TEACHER_MODES, SCHEDULERS, ROLLOUTS, OBJECTIVES, NORMALIZE, EMA_STARTS, DTYPES
+from .config import TEACHER_MODES, SCHEDULERS, ROLLOUTS, OBJECTIVES, NORMALIZE, EMA_STARTS, DTYPES, LAYOUTS, LOSS_KERNELS
+from .config import upgrade_config, field_help
+from .kernels import DECODER_KERNELS
+from .recipes import RECIPES, load_recipe
 from .runs import read_metrics, read_config
 from .data import check_out_folder, load_problems
 from .eval import grade, eval_runs
@@ -28,28 +30,30 @@ __all__ = ['CONFIG_CHOICES', 'TRAIN_FLAGS', 'PRESETS', 'USER_ERRORS', 'DISK_FULL
 
 # %% ../nbs/11_cli.ipynb #c4fbac5c
 # the allowed values of config fields: the config's own constants, not a second list
-CONFIG_CHOICES = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=PAD_MODES, scheduler=SCHEDULERS, rollout=ROLLOUTS,
-                      objective=OBJECTIVES, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES)
+CONFIG_CHOICES = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=LAYOUTS, scheduler=SCHEDULERS, rollout=ROLLOUTS,
+                      objective=OBJECTIVES, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES,
+                      loss_kernel=LOSS_KERNELS, decoder_kernels=DECODER_KERNELS)
 # the OPSDConfig fields that `opsd train` takes as flags (any other field: --set KEY=VALUE)
 TRAIN_FLAGS = ("model", "data", "run_dir", "clip", "tau", "beta", "temperature", "teacher", "padding", "steps", "lr",
-               "batch_size", "micro_batch_size", "seed", "save_every", "scheduler", "fused", "rollout")
+               "batch_size", "micro_batch_size", "seed", "save_every", "scheduler", "loss_kernel", "rollout")
 _TYPES = {"int": int, "float": float, "str": str}
 
 def add_config_flags(p, # an argparse (sub)parser
                      names=TRAIN_FLAGS, # OPSDConfig fields that get a flag
                     ):
     "One `--field-name` flag per OPSDConfig field: type from the dataclass, choices from the config's constants."
-    fields = {f.name: f for f in dataclasses.fields(OPSDConfig)}
+    fields, helps = {f.name: f for f in dataclasses.fields(OPSDConfig)}, field_help()
     for n in names:
         if n not in fields: raise ValueError(f"add_config_flags: {n!r} is not an OPSDConfig field")
         f, flag = fields[n], "--" + n.replace("_", "-")
         kind = str(f.type).split("|")[0].strip()
         if kind == "bool":
-            p.add_argument(flag, dest=n, action=argparse.BooleanOptionalAction, default=None, help=f"config field {n}")
+            p.add_argument(flag, dest=n, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"config field {n}: {helps[n]}".replace("%", "%%"))
         else:
             ch = CONFIG_CHOICES.get(n)
             p.add_argument(flag, dest=n, type=_TYPES.get(kind, str), choices=ch, default=None,
-                           help=f"config field {n}" + (f": {', '.join(ch)}" if ch else ""))
+                           help=f"config field {n}: {helps[n]}".replace("%", "%%"))
     return p
 
 # %% ../nbs/11_cli.ipynb #b05015dc
@@ -78,9 +82,9 @@ def parse_set_items(items) -> dict:
     return out
 
 def config_from_args(a) -> OPSDConfig:
-    "The resolved config of `opsd train` arguments: preset, then the YAML file, then flags and --set."
+    "The resolved config of `opsd train` arguments: preset, then the recipe, then the YAML file, then flags and --set."
     over = {k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k, None) is not None}
-    over.update(parse_set_items(getattr(a, "set", None)))
+    over.update(upgrade_config(parse_set_items(getattr(a, "set", None))))   # older field names read as today's
     unknown = sorted(set(over) - {f.name for f in dataclasses.fields(OPSDConfig)})
     if unknown: raise ValueError(f"command line: unknown config field(s) {unknown}")
     path = getattr(a, "config", None)
@@ -91,6 +95,8 @@ def config_from_args(a) -> OPSDConfig:
     if preset == "released": base = OPSDConfig(model=model)
     elif preset == "toy": base = OPSDConfig.toy(model=model)
     else: base = resolve_world(model, data=over.get("data") or file.get("data")).config()
+    if getattr(a, "recipe", None):   # how a step is computed (opsd.recipes), over the world's hyperparameters
+        base = OPSDConfig.from_dict({**base.to_dict(), **load_recipe(a.recipe)}, source=f"recipe {a.recipe}")
     if path: return OPSDConfig.from_yaml(path, base=base, **over)
     return OPSDConfig.from_dict({**base.to_dict(), **over}, source="command line")
 
@@ -196,6 +202,8 @@ def parser() -> argparse.ArgumentParser:
                                      "or --model smollm2), held-out accuracy with intervals, report"))
     d.set_defaults(fn=cmd_demo)
     t = sub.add_parser("train", help="one OPSD run (resumes from its latest checkpoint)")
+    t.add_argument("--recipe", metavar="NAME|FILE", help=f"how a step is computed: {', '.join(RECIPES)} "
+                   "(configs/recipes/) or a recipe YAML file; laid over the preset, under --config and --set")
     t.add_argument("--config", help="YAML file of OPSDConfig fields")
     t.add_argument("--preset", choices=PRESETS, default="world",
                    help="starting config: the --model world's preset (default), the released recipe, or the toy's")

@@ -152,7 +152,7 @@ class OPSDBatch:
         move = lambda v: (to_device(v, device) if isinstance(v, torch.Tensor) else
                           {k: move(x) for k, x in v.items()} if isinstance(v, dict) else
                           v.to(device) if hasattr(v, "to") else v)
-        return OPSDBatch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+        return type(self)(**{f.name: move(getattr(self, f.name)) for f in fields(self)})   # a subclass keeps its type
 
 # %% ../nbs/04_collate.ipynb #cb599b5f
 def prompt_completion_layout(prompts: Sequence[Sequence[int]], # B prompt rows (validated, non-empty)

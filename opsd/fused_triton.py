@@ -17,7 +17,7 @@ def _has_triton() -> bool:
 HAS_TRITON = _has_triton()   # `_kernel()` imports triton on first use: TRITON_INTERPRET may be set until then
 
 # %% auto #0
-__all__ = ['HAS_TRITON', 'CLIP_CODES', 'BLOCK', 'NUM_WARPS', 'KERNELS', 'interpreting', 'triton_unsupported',
+__all__ = ['HAS_TRITON', 'CLIP_CODES', 'BLOCK', 'NUM_WARPS', 'CHUNK_KERNELS', 'interpreting', 'triton_unsupported',
            'chunk_divergence_triton', 'chunk_fn_for']
 
 # %% ../nbs/02b_fused_triton.ipynb #95efe431
@@ -236,7 +236,7 @@ def chunk_divergence_triton(student_logits: torch.Tensor, # (C, V) fp32 (or fp64
     return o[POSITION_KEYS.index("loss")], g, diag
 
 # %% ../nbs/02b_fused_triton.ipynb #f20f1e19
-KERNELS = ("torch", "triton", "auto")
+CHUNK_KERNELS = ("torch", "triton", "auto")   # the chunk math of `chunk_fn_for` (`OPSDConfig.loss_kernel` less 'logits')
 
 def chunk_fn_for(kernel: str, # 'torch', 'triton' or 'auto' (Triton on CUDA where it applies)
                  device, # where the hidden states live
@@ -244,7 +244,7 @@ def chunk_fn_for(kernel: str, # 'torch', 'triton' or 'auto' (Triton on CUDA wher
                  vocab: int | None = None, # the vocabulary size, when known (top_k >= vocab is the full vocabulary)
                 ) -> Callable | None: # `chunk_divergence_triton`, or None for the torch chunk math
     "The per-chunk function for `opsd.fused.fused_divergence(chunk_fn=...)`: the Triton kernel's, or None (torch)."
-    if kernel not in KERNELS: raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel not in CHUNK_KERNELS: raise ValueError(f"kernel must be one of {CHUNK_KERNELS}, got {kernel!r}")
     if clip is not None and clip not in CLIP_CODES:
         raise ValueError(f"clip must be one of {tuple(CLIP_CODES)} or None, got {clip!r}")
     if kernel == "torch" or (kernel == "auto" and torch.device(device).type != "cuda"): return None

@@ -5,15 +5,14 @@
 # %% ../nbs/05e_kernels.ipynb #5deaa0e1
 from __future__ import annotations
 import inspect, types
-from contextlib import contextmanager
 import torch
 
 # %% auto #0
-__all__ = ['KERNELS', 'LIGER_PIN', 'decoder_stack', 'with_globals', 'patch_modules', 'liger_patchers', 'fuse_lora',
-           'FlatAdapters', 'apply_kernels']
+__all__ = ['DECODER_KERNELS', 'LIGER_PIN', 'decoder_stack', 'with_globals', 'patch_modules', 'liger_patchers', 'fuse_lora',
+           'apply_kernels']
 
 # %% ../nbs/05e_kernels.ipynb #e05fae10
-KERNELS = ("none", "liger", "compile")
+DECODER_KERNELS = ("none", "liger", "compile")   # `OPSDConfig.decoder_kernels`
 LIGER_PIN = "liger-kernel==0.8.5"
 
 def decoder_stack(model) -> torch.nn.Module:
@@ -68,7 +67,7 @@ def liger_patchers() -> dict:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
         from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
     except ImportError as e:
-        raise RuntimeError(f"kernels='liger' needs Liger-Kernel: `pip install {LIGER_PIN}` "
+        raise RuntimeError(f"decoder_kernels='liger' needs Liger-Kernel: `pip install {LIGER_PIN}` "
                            f"(CUDA and Triton; import failed: {e})") from None
     return dict(rms_norm=_patch_rms_norm_module, mlp=lambda mod: _patch_swiglu_module(mod, LigerSwiGLUMLP),
                 rope=liger_rotary_pos_emb)
@@ -125,10 +124,7 @@ def _lora_forward(self, x, *args, **kwargs):
     elif x.dtype == A.weight.dtype == B.weight.dtype == base.weight.dtype: dt = x.dtype
     else: return peft(self, x, *args, **kwargs)
     bias = None if base.bias is None else base.bias.to(dt)
-    flat = self.opsd_flat   # this micro-batch's views of the adapters cast once for all (`FlatAdapters`), if any
-    if flat is not None and flat[0] == n and flat[1].dtype == dt: a, b = flat[1], flat[2]
-    else: a, b = A.weight.to(dt), B.weight.to(dt)
-    return _LoraMM.apply(x.to(dt), base.weight.to(dt), bias, a, b, float(self.scaling[n]))
+    return _LoraMM.apply(x.to(dt), base.weight.to(dt), bias, A.weight.to(dt), B.weight.to(dt), float(self.scaling[n]))
 
 def fuse_lora(model) -> int:
     "Fold the scale and add of every peft LoRA Linear of this model instance into one GEMM; returns how many."
@@ -137,99 +133,27 @@ def fuse_lora(model) -> int:
     for m in model.modules():
         if type(m) is LoraLinear:   # exactly peft's: subclasses (quantized bases, ...) keep their own forward
             _bind(m, "forward", _lora_forward); n += 1
-            m.opsd_flat = None   # the slot `FlatAdapters` fills during a training step
     if not n: raise ValueError(f"fused_lora=True: no peft LoRA Linear in {type(model).__name__}")
     model.opsd_fused_lora = n
     return n
-
-# %% ../nbs/05e_kernels.ipynb #f1a0c007
-def _views(flat: torch.Tensor, like: list) -> list:
-    "`flat` cut, in order, into views shaped as the tensors of `like`."
-    return [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in like]), like)]
-
-class _Gather(torch.autograd.Function):
-    """Every adapter weight cast to `dtype` by one concatenation and one cast, handed out as views of that one tensor;
-    backward concatenates the views' gradients and adds them to `grad` (flat, float32) in one kernel. `anchor` (an
-    empty tensor that requires grad) is what puts this function in the graph: the weights come in detached."""
-    @staticmethod
-    def forward(ctx, anchor, grad, dtype, *weights):
-        ctx.grad = grad
-        return tuple(_views(torch.cat([w.reshape(-1) for w in weights]).to(dtype), weights))
-
-    @staticmethod
-    def backward(ctx, *gs):
-        ctx.grad.add_(torch.cat([g.reshape(-1) for g in gs]))
-        return (None, None, None) + (None,) * len(gs)
-
-class FlatAdapters:
-    "The fused LoRA Linears' adapter weights: cast once per micro-batch, their gradients in one float32 buffer."
-    def __init__(self, model):
-        self.mods = [m for m in model.modules() if hasattr(m, "opsd_flat")]
-        if not self.mods: raise ValueError("flat_adapters=True needs fuse_lora (fused_lora=True): no fused LoRA Linear")
-        self.names = [m.active_adapters[0] for m in self.mods]
-        self.weights = [w for m, n in zip(self.mods, self.names) for w in (m.lora_A[n].weight, m.lora_B[n].weight)]
-        dts = {(w.dtype, w.device) for w in self.weights}
-        if len(dts) != 1: raise ValueError(f"flat_adapters=True: the adapter weights differ in dtype or device: {dts}")
-        (self.dtype, dev), = dts
-        self.grad = torch.zeros(sum(w.numel() for w in self.weights), dtype=self.dtype, device=dev)
-        self.views = _views(self.grad, self.weights)
-        self.anchor = torch.zeros(0, device=dev, requires_grad=True)
-        self.active = False
-
-    def begin(self):
-        "Before a step's first micro-batch: each weight's `.grad` is its view of the buffer (zeroed unless it already was)."
-        if not all(w.grad is v for w, v in zip(self.weights, self.views)):
-            self.grad.zero_()
-            for w, v in zip(self.weights, self.views):
-                if w.grad is not None: v.copy_(w.grad)   # a gradient from elsewhere is kept, as autograd would add to it
-                w.grad = v
-        self.active = True
-
-    @contextmanager
-    def step(self):
-        "One optimizer step's micro-batches inside: `begin()` before, `end()` after (also on an error)."
-        self.begin()
-        try: yield self
-        finally: self.end()
-
-    def gather(self, device_type: str):
-        "Before a micro-batch's student forward: fill the slots with this micro-batch's views (autocast's dtype, if on)."
-        if not self.active: return
-        dt = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.dtype
-        ws = _Gather.apply(self.anchor, self.grad, dt, *[w.detach() for w in self.weights])
-        for i, (m, n) in enumerate(zip(self.mods, self.names)): m.opsd_flat = (n, ws[2 * i], ws[2 * i + 1])
-
-    @contextmanager
-    def hidden(self):
-        "Slots empty inside (a pass that must read the weights themselves), as they were after."
-        old = [m.opsd_flat for m in self.mods]
-        for m in self.mods: m.opsd_flat = None
-        try: yield
-        finally:
-            for m, o in zip(self.mods, old): m.opsd_flat = o
-
-    def end(self):
-        "After a step's last backward: the slots emptied (the optimizer is about to change the weights)."
-        for m in self.mods: m.opsd_flat = None
-        self.active = False
 
 # %% ../nbs/05e_kernels.ipynb #07ea8b85
 def _check_liger(model):
     p = next(model.parameters())
     if p.device.type != "cuda":
-        raise ValueError(f"kernels='liger' needs the model on a CUDA device (Triton kernels); it is on {p.device}: "
-                         "use kernels='none' or 'compile'")
+        raise ValueError(f"decoder_kernels='liger' needs the model on a CUDA device (Triton kernels); it is on "
+                         f"{p.device}: use decoder_kernels='none' or 'compile'")
     cfg = getattr(model, "config", None) or decoder_stack(model).config
     kind, act = getattr(cfg, "model_type", None), getattr(cfg, "hidden_act", None)
     if kind not in ("qwen3", "llama") or act not in ("silu", "swish"):
-        raise ValueError(f"kernels='liger' patches Qwen3/Llama decoders with SiLU MLPs; this model is "
-                         f"model_type={kind!r}, hidden_act={act!r}: use kernels='compile'")
+        raise ValueError(f"decoder_kernels='liger' patches Qwen3/Llama decoders with SiLU MLPs; this model is "
+                         f"model_type={kind!r}, hidden_act={act!r}: use decoder_kernels='compile'")
 
 def apply_kernels(model, # the (peft-wrapped) causal LM, on its device, LoRA already added
                   which: str = "none", # 'none' | 'liger' | 'compile'
                  ):
     "Fuse the training phase's elementwise work on this model instance: Liger's kernels or compiled decoder layers."
-    if which not in KERNELS: raise ValueError(f"kernels={which!r}: must be one of {KERNELS}")
+    if which not in DECODER_KERNELS: raise ValueError(f"decoder_kernels={which!r}: must be one of {DECODER_KERNELS}")
     if which == "liger":
         _check_liger(model)
         patch_modules(model, **liger_patchers())

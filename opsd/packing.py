@@ -4,14 +4,14 @@
 
 # %% ../nbs/05f_packing.ipynb #pk043ad4
 from __future__ import annotations
-import dataclasses, functools, inspect
+import functools, inspect
 from dataclasses import dataclass, fields
 import torch
-from .collate import OPSDBatch, to_device
+from .collate import OPSDBatch, to_device, batch_logits
 
 # %% auto #0
-__all__ = ['PACKED', 'Packed', 'pack', 'host_prepared', 'varlen_reference', 'flash_varlen', 'varlen_attention',
-           'use_packed_attention', 'packed_inputs', 'packed_logits']
+__all__ = ['PACKED', 'Packed', 'pack', 'PackedBatch', 'host_prepared', 'varlen_reference', 'flash_varlen', 'varlen_attention',
+           'use_packed_attention', 'packed_inputs', 'packed_logits', 'side_logits', 'side_hidden']
 
 # %% ../nbs/05f_packing.ipynb #pk079994
 @dataclass
@@ -75,18 +75,25 @@ def pack(batch: OPSDBatch, # an aligned micro-batch from `collate`
                   source, (B, L), target.reshape(-1).nonzero().squeeze(1)).to(inp["input_ids"].device)
 
 # %% ../nbs/05f_packing.ipynb #pk1a0f02
+@dataclass
+class PackedBatch(OPSDBatch):
+    """An aligned micro-batch that the model reads packed: its type is its layout. `host_prepared(packed=True)` makes
+    one (its packed rows computed on the host); `side_logits` and `side_hidden` read it packed, any other batch padded."""
+
 def host_prepared(batch: OPSDBatch, # a micro-batch on the CPU, before it moves to the device
-                  packed: bool = False, # also pack both sides (`pack`)
+                  packed: bool = False, # a `PackedBatch`, both sides packed (`pack`)
                  ) -> OPSDBatch:
     """A copy carrying in `host` what a training step would otherwise compute from device tensors, each a host sync:
     `valid`, the flat positions of the completion tokens (`fused_divergence`'s `valid_index`), and with `packed`
-    `packed/student` and `packed/teacher` (`pack`)."""
+    `packed/student` and `packed/teacher` (`pack`), as a `PackedBatch`."""
     if batch.labels.device.type != "cpu":
         raise ValueError(f"host_prepared takes a batch on the CPU (before it moves); its labels are on "
                          f"{batch.labels.device}")
     host = dict(batch.host, valid=batch.completion_mask.reshape(-1).nonzero().squeeze(1))
     if packed: host.update({f"packed/{who}": pack(batch, who) for who in ("student", "teacher")})
-    return dataclasses.replace(batch, host=host)
+    kind = PackedBatch if packed else type(batch)
+    return kind(**{**{f.name: getattr(batch, f.name) for f in fields(batch)}, "host": host})
+
 
 # %% ../nbs/05f_packing.ipynb #pk125bca
 def varlen_reference(q: torch.Tensor, # (T, Hq, D) queries of the packed sequence
@@ -166,7 +173,7 @@ def use_packed_attention(model, # an HF causal LM or a peft wrapper of one
     base = lm.config._attn_implementation
     if base.startswith(PACKED): return model
     if base not in ("sdpa", "eager"):
-        raise ValueError(f"packed=True wraps sdpa or eager attention; this model uses {base!r}")
+        raise ValueError(f"padding='packed' wraps sdpa or eager attention; this model uses {base!r}")
     name = f"{PACKED}_{base}"
     AttentionInterface.register(name, _packed_attention(base))
     AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[base])
@@ -186,3 +193,20 @@ def packed_logits(model, p: Packed) -> torch.Tensor: # (B, L, V), zeros where a 
     "The completion logits of a packed batch in the padded completion layout (only N rows of the LM head computed)."
     out = model(**packed_inputs(model, p), logits_to_keep=p.source, use_cache=False)
     return p.spread((out.logits if hasattr(out, "logits") else out[0])[0])
+
+# %% ../nbs/05f_packing.ipynb #pk2012c1
+def side_logits(model, # the (peft-wrapped) causal LM; for a `PackedBatch` it runs `use_packed_attention`
+                b: OPSDBatch, # a micro-batch: a `PackedBatch` is read packed, any other padded
+                who: str, # "student" or "teacher"
+               ) -> torch.Tensor: # (B, L, V)
+    "One side's completion logits, in the layout of the batch's type (`packed_logits` or `batch_logits`)."
+    return packed_logits(model, pack(b, who)) if isinstance(b, PackedBatch) else batch_logits(model, b, who)
+
+def side_hidden(model, b: OPSDBatch, who: str) -> torch.Tensor: # (B, L, H)
+    "Final (normed) hidden states of one side's completion positions, in the layout of the batch's type (chunked loss)."
+    p, got = pack(b, who) if isinstance(b, PackedBatch) else None, {}
+    hook = _causal_lm(model).model.norm.register_forward_hook(lambda m, i, o: got.__setitem__("h", o))
+    try: model(**(packed_inputs(model, p) if p else b.inputs(who)), logits_to_keep=1, use_cache=False)
+    finally: hook.remove()
+    return p.spread(got["h"][0, p.source]) if p else got["h"][:, -b.completion_len - 1:-1]
+

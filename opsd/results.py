@@ -80,7 +80,8 @@ def add_study(study:str, # the study's folder name in the store (letters, digits
     if not re.fullmatch(r"[A-Za-z0-9_-]+", study): raise ValueError(f"study name {study!r}: letters, digits, '-', '_'")
     root, store = Path(root), store_dir(store)
     runs = [r for r in run_folders(root) if include is None or include in str(r.relative_to(root))]
-    if not runs: raise FileNotFoundError(f"{root}: no run folders (config.json){'' if include is None else ' matching ' + repr(include)}")
+    if not runs:
+        raise FileNotFoundError(f"{root}: no run folders (config.json)" + ("" if include is None else f" matching {include!r}"))
     tmp = store / f".{study}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     for r in runs:
@@ -116,7 +117,8 @@ def _run_cols(run:Path, study_root:Path)->dict:
     name = c.get("name") or run.name
     seed = int(c.get("seed", 0))
     model = str(c.get("model") or "")
-    return dict(run=name, group=str(run.parent.relative_to(study_root)) if run.parent != study_root else "",
+    group = str(run.parent.relative_to(study_root)) if run.parent != study_root else ""
+    return dict(run=f"{group}/{name}" if group else name, group=group,   # unique across groups (bases)
                 arm=name[: -len(f"-s{seed}")] if name.endswith(f"-s{seed}") else name,
                 teacher=model.split(":", 1)[1] if model.startswith("toy:") else Path(model).name or model,
                 clip=c.get("clip"), seed=seed, lr_peak=c.get("lr"), scheduler=c.get("scheduler"),
@@ -173,9 +175,9 @@ def run_effects(metrics:pl.DataFrame, evals:pl.DataFrame|None=None, window:int=W
 
 def per_problem(evals:pl.DataFrame, final_step:int|None=None)->pl.DataFrame:
     """Per run and problem: accuracy (mean over samples) at step 0 (`base`), at `final_step` (default: the run's last
-    evaluated step) and their difference; refuses a run evaluated under two settings (pick one first)."""
+    evaluated step) and their difference; refuses a run evaluated under two settings at one step (pick one first)."""
     if "setting" in evals.columns:
-        two = evals.group_by("run").agg(pl.col("setting").n_unique().alias("n")).filter(pl.col("n") > 1)
+        two = evals.group_by("run", "step").agg(pl.col("setting").n_unique().alias("n")).filter(pl.col("n") > 1)
         if two.height: raise ValueError(f"per_problem: runs {two['run'].to_list()[:3]} hold rows of several evaluation "
                                         "settings; filter one (e.g. on key_temperature) first")
     acc = evals.group_by("run", "step", "problem_id").agg(pl.col("correct").cast(pl.Float64).mean().alias("acc"))
@@ -289,8 +291,9 @@ def fmt(x:float, pct:bool=False, digits:int|None=None)->str:
     s = f"{100 * x:+.1f}" if pct else f"{x:+.{3 if digits is None else digits}f}"
     return s.replace("-", "−")
 
-def fmt_ci(i:dict, pct:bool=False, digits:int|None=None)->str:
-    "`[lo, hi]` of an interval dict."
+def fmt_ci(i:dict|None, pct:bool=False, digits:int|None=None)->str:
+    "`[lo, hi]` of an interval dict ('[n/a]' where there is none, e.g. a bases interval of one base)."
+    if i is None: return "[n/a]"
     return f"[{fmt(i['lo'], pct, digits)}, {fmt(i['hi'], pct, digits)}]"
 
 def toy_effects(store=None)->tuple[pl.DataFrame, pl.DataFrame]:
@@ -326,8 +329,8 @@ def toy_table_md(rows:list[dict]|None=None)->str:
     for r in rows:
         a, k = r["acc"], r["kl"]
         out.append(f"| {_CLIP_LABEL[r['clip']]} | {fmt(r['acc_base0'], True)} {fmt_ci(a['seeds'], True)} "
-                   f"{fmt_ci(a['problems'], True)} pts | {fmt(a['mean'], True)} {fmt_ci(a['bases'], True)} pts | "
-                   f"{fmt(r['kl_base0'])} {fmt_ci(k['seeds'])}; {fmt(k['mean'])} {fmt_ci(k['bases'])} | "
+                   f"{fmt_ci(a['problems'], True)} pts | {fmt(a['mean'], True)} {fmt_ci(a.get('bases'), True)} pts | "
+                   f"{fmt(r['kl_base0'])} {fmt_ci(k['seeds'])}; {fmt(k['mean'])} {fmt_ci(k.get('bases'))} | "
                    f"{100 * r['neg']['mean']:.0f}% |")
     return "\n".join(out)
 
@@ -373,15 +376,15 @@ def speed_table(store=None)->pl.DataFrame:
 
 def recipe_speed(recipe:str, store=None)->dict:
     "Per device: the recipe's speed rows that have a `released` row in the same process, and their ratios."
-    t = speed_table(store).filter(pl.col("recipe") == recipe, pl.col("ratio").is_not_null())
+    t = speed_table(store).filter(pl.col("recipe") == recipe, pl.col("ratio_to_released").is_not_null())
     if not t.height: raise LookupError(f"no speed row of recipe {recipe!r} with a released row in the same process")
-    return {d: g.sort("ratio").to_dicts() for (d,), g in t.group_by(["device"], maintain_order=True)}
+    return {d: g.sort("ratio_to_released").to_dicts() for (d,), g in t.group_by(["device"], maintain_order=True)}
 
 def speed_claim(recipe:str, store=None)->str:
     "One line: the recipe's ratio to `released` in each process, by device."
     parts = []
     for dev, rows in sorted(recipe_speed(recipe, store).items()):
-        r = ", ".join(f"{x['ratio']:.2f}× ({x['s_step']:.2f} s against {x['released_s_step']:.2f} s; {x['stat']})"
+        r = ", ".join(f"{x['ratio_to_released']:.2f}× ({x['s_step']:.2f} s against {x['released_s_step']:.2f} s; {x['stat']})"
                       for x in rows)
         parts.append(f"{dev}: {r}")
     return "; ".join(parts)
@@ -391,9 +394,9 @@ def claims(store=None)->dict:
     "Name -> the exact text the README quotes (tables included), all computed from the store."
     toy, smol = toy_table(store), smollm2_table(store)
     t = {r["clip"]: r for r in toy}; s = {r["clip"]: r for r in smol}
+    over_bases = lambda c: f"{fmt(t[c]['acc']['mean'], True)} {fmt_ci(t[c]['acc'].get('bases'), True)} pts"
     return {"toy_table": toy_table_md(toy), "smollm2_table": smollm2_table_md(smol),
-            "toy_scaled_over_bases": f"{fmt(t['scaled']['acc']['mean'], True)} {fmt_ci(t['scaled']['acc']['bases'], True)} pts",
-            "toy_entry_over_bases": f"{fmt(t['entry']['acc']['mean'], True)} {fmt_ci(t['entry']['acc']['bases'], True)} pts",
+            "toy_scaled_over_bases": over_bases("scaled"), "toy_entry_over_bases": over_bases("entry"),
             "smollm2_entry_vs_scaled": f"{fmt(s['entry']['vs_scaled']['mean'], True)} "
                                        f"{fmt_ci(s['entry']['vs_scaled']['problems'], True)} pts",
             "smollm2_base_acc": f"{100 * s['scaled']['acc_base']:.0f}%",
@@ -417,7 +420,8 @@ def main(argv=None):
                         notes=args.notes, commit=args.commit, store=args.store, include=args.include)
         print(json.dumps(row, indent=1))
     else:
-        with pl.Config(tbl_rows=-1, fmt_str_lengths=60): print(manifest(args.store).select("study", "world", "runs", "date", "machine"))
+        with pl.Config(tbl_rows=-1, fmt_str_lengths=60):
+            print(manifest(args.store).select("study", "world", "runs", "date", "machine"))
 
 # %% ../nbs/13_results.ipynb #c2cfcfd4
 if __name__ == "__main__" and "get_ipython" not in globals(): main()

@@ -316,9 +316,8 @@ def engine_stream(device=None) -> "torch.cuda.Stream":
     """Give this thread a high-priority CUDA stream for a vLLM engine about to start, unless a non-default stream is
     already current (an earlier engine's: vLLM keeps one stream per thread and captures and replays its CUDA graphs on
     it). vLLM adopts the thread's current stream as its own, so the engine runs on this stream from its start and no
-    stream is ever switched under it. Only matters when another stream runs beside it (`async_rollout` with
-    `async_priority`: the training thread's stream at the lowest priority, so the GPU schedules the rollout's kernels
-    first). Returns the stream."""
+    stream is ever switched under it. Only matters when another stream runs beside it (`async_rollout`: the training
+    half's stream, `opsd.overlap`). Returns the stream."""
     if torch.cuda.current_stream(device) == torch.cuda.default_stream(device):
         torch.cuda.set_stream(torch.cuda.Stream(device, priority=-(2**16)))   # clamped to CUDA's highest priority
     return torch.cuda.current_stream(device)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_train.ipynb #81ecd379
 from __future__ import annotations
-import collections, dataclasses, io, json, math, os, random, shutil, signal, time, warnings
+import dataclasses, io, json, math, os, random, shutil, signal, time, warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -13,247 +13,27 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, normaliser, CLIP_MODES
+from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, normaliser
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_frame
 from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_problems, check_context, model_context
-from .collate import collate, batch_logits, trim_at_eos, PAD_MODES
+from .collate import collate, trim_at_eos
+from .config import OPSDConfig, TEACHER_MODES, EMA_STARTS, upgrade_config
+# re-exported: `from opsd.train import OPSDConfig, read_yaml, ...` keeps working (05h_config is their home)
+from .config import (read_yaml, LORA_TARGETS, SCHEDULERS, OBJECTIVES, ROLLOUTS, NORMALIZE, LOSS_KERNELS,  # noqa: F401
+                         LAYOUTS, RENAMED, RETIRED)
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
 from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
-from .kernels import KERNELS, FlatAdapters, apply_kernels, fuse_lora
-from .packing import host_prepared, pack, packed_inputs, packed_logits, use_packed_attention
-from .runs import RunDir, DTYPES, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
+from .kernels import apply_kernels, fuse_lora
+from .packing import host_prepared, side_logits, side_hidden, use_packed_attention
+from .overlap import Overlap
+from .runs import RunDir, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
 
 # %% auto #0
-__all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS',
-           'FUSED_KERNEL_MODES', 'CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'OPSDConfig', 'read_yaml',
-           'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher',
-           'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'PendingRollout',
-           'BackwardResult', 'UpdateResult', 'Timings', 'rollout_engine_kw', 'engine_settings', 'OPSDTrainer',
-           'length_groups', 'padded_share', 'config_differences', 'check_run_config', 'check_same_base',
-           'base_fingerprint', 'train', 'TrainingJob', 'LaunchThrottle', 'sm_carveout', 'green_stream']
-
-# %% ../nbs/06_train.ipynb #026df365
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-TEACHER_MODES = ("fixed", "ema", "live")
-SCHEDULERS = ("linear", "cosine", "constant")
-OBJECTIVES = ("divergence", "sampled_token")
-ROLLOUTS = ("auto", "hf", "vllm")
-NORMALIZE = ("global", "micro_batch")
-EMA_STARTS = ("first_update", "init")
-FUSED_KERNEL_MODES = ("auto", "torch", "triton")
-
-@dataclass
-class OPSDConfig:
-    "Everything a run needs; defaults are the released Qwen3-1.7B recipe."
-    model: str = "Qwen/Qwen3-1.7B"  # from_pretrained path or hub name ('toy', 'toy:soft', 'toy:copy' in the CLI)
-    data: str | None = None  # problems file (jsonl/parquet) or datasets name; None: the toy world (CLI)
-    run_dir: str = "runs/opsd"  # the run folder
-    name: str | None = None  # run name in the metrics (default: the folder name)
-    seed: int = 0
-    # objective
-    objective: str = "divergence"  # 'divergence' (full-vocabulary) or 'sampled_token'
-    beta: float = 0.0  # 0 forward KL(t||s), 1 reverse, else generalized JSD
-    temperature: float = 1.1  # loss temperature (= sampling temperature in the release)
-    clip: str = "entry"  # 'entry' (released), 'token', 'scaled' (direction-preserving), 'none'
-    tau: float = 0.05  # clip threshold; <= 0 turns the clip off (as the release's --jsd_token_clip 0)
-    top_k: int | None = None  # loss over the teacher's top-k entries; None or 0 = the full vocabulary
-    normalize: str = "global"  # 'global' token count of the step (exact) or 'micro_batch' (the release's mean of means)
-    mask_pad_completion: bool = False  # the release masks completion tokens equal to the pad id; opsd keeps them
-    teacher: str = "fixed"  # 'fixed' (adapters disabled), 'ema', 'live'
-    ema_decay: float = 0.999  # the release's EMA decay
-    ema_start: str = "first_update"  # 'first_update' (released: set from the student after the first update), 'init'
-    padding: str = "released"  # 'released' (right-padded prompts, gap consumes positions) or 'aligned'
-    length_grouping: bool = False  # micro-batches of completions of similar length (longest first): fewer pad
-    #                                columns, the same loss and update to rounding (needs aligned padding, global norm)
-    packed: bool = False  # each micro-batch's rows end to end without pad columns, attention varlen inside each row
-    #                       (opsd.packing): the same loss and update to rounding (needs aligned padding)
-    fused: bool = False  # the chunked loss from hidden states (opsd.fused)
-    fused_chunk: int = 1024
-    kernels: str = "none"  # the student's decoder layers: 'none', 'liger' (Liger-Kernel's RMSNorm/RoPE/SwiGLU) or
-    #                        'compile' (torch.compile of each layer): opsd.kernels; measured in nbs/12_bench
-    fused_lora: bool = False  # each adapted projection's LoRA scale and add folded into one GEMM (opsd.kernels.fuse_lora;
-    #                           the same sum, rounded once; measured in nbs/12_bench)
-    flat_adapters: bool = False  # fused_lora's adapter weights cast once per micro-batch for all projections and their
-    #                              gradients accumulated in one float32 buffer (opsd.kernels.FlatAdapters): the same
-    #                              numbers with about 1,100 fewer launches a micro-batch at 1.7B; one process only
-    fused_kernel: str = "auto"  # the fused chunk math: 'torch', 'triton' (one kernel; forward KL, full vocabulary)
-    #                             or 'auto' (triton on CUDA where it applies)
-    # LoRA
-    lora_r: int = 64
-    lora_alpha: float = 128
-    lora_dropout: float = 0.0
-    lora_targets: tuple = LORA_TARGETS
-    # optimisation
-    lr: float = 5e-6
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.1  # <= 0: no clipping
-    batch_size: int = 32  # completions per optimizer step (all processes together)
-    micro_batch_size: int = 4  # completions per forward/backward
-    steps: int = 100
-    scheduler: str = "linear"  # 'linear', 'cosine', 'constant'
-    warmup_steps: int = 0
-    save_every: int = 25  # checkpoint every k steps (and at the end)
-    dtype: str = "bfloat16"  # model weights' dtype ('float32' on CPU)
-    checkpointing: float = 1.0  # share of decoder layers with gradient checkpointing (released: all; 0 = none)
-    cpu_threads: int = 1  # torch threads when training on CPU, fixed so that a result does not depend on the
-    #                       machine's core count or OMP_NUM_THREADS (0: torch's default; see nbs/05a_repro)
-    bf16_adapters: bool = False  # CUDA: LoRA compute in bf16 under autocast (no fp32 cast of each LoRA input)
-    # rollout
-    max_completion_length: int = 1024
-    sample_temperature: float = 1.1
-    top_p: float = 0.95
-    sample_top_k: int = 20
-    rollout: str = "auto"  # 'auto' (vLLM on CUDA when installed, else HF), 'hf' or 'vllm'
-    vllm_memory: float = 0.3  # vLLM's share of GPU memory (weights + KV cache), colocated with training
-    vllm_sleep: bool = True  # vLLM sleeps (frees its memory) during the training phase of each step
-    rollout_quantization: str | None = None  # vLLM: 'fp8' samples from the student's weights quantized to fp8 as they
-    #                                          load (a departure: completions from an approximation of the student)
-    rollout_kv_cache: str = "auto"  # vLLM's KV-cache dtype: 'auto' (the weights') or 'fp8' (a departure, as above)
-    replicate_rollout: bool = False  # every process samples the whole step batch (exactly equal to 1 process)
-    steps_per_rollout: int = 1  # one engine call samples the completions of this many steps, from the weights before
-    #                             the first (TRL's steps_per_generation); > 1 is a departure: step t+i trains on
-    #                             completions i updates old. 1: every step samples its own (the release)
-    async_rollout: bool = False  # one step off-policy: step t trains on completions sampled before step t-1's update,
-    #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
-    async_queue: int = 0  # async_rollout on CUDA: cap the training thread's queued work at this many decoder layers
-    #                       (`LaunchThrottle`; 0: no cap, the default: the cap gained nothing on the H200)
-    async_priority: bool = False  # async_rollout on CUDA: the training thread's stream at the lowest priority, below
-    #                               vLLM's high-priority stream (`engine_stream`); False: level with it (the default:
-    #                               no gain on the H200, 5.65 vs 5.61 s a step)
-    async_carveout: int = 0  # async_rollout on CUDA: SMs that training's cuBLAS GEMMs leave free while the rollout runs
-    #                          (`sm_carveout`; 32 on the H200: 4.88 vs 4.99 s a step, one run: off by default)
-    async_sms: int = 0  # async_rollout on CUDA: every kernel of training confined to this many SMs (a CUDA green
-    #                     context, `green_stream`; 0: all SMs, the default). Hopper splits SMs in groups of 8;
-    #                     the green context's stream replaces the one async_priority would set
-    async_switch_ms: float = 1.0  # async_rollout: the GIL switch interval while both threads run (Python's: 5;
-    #                                0.2 on the H200: no visible gain, one run on a slow machine)
-    # prompts (overrides of opsd.data.PromptConfig fields)
-    prompt: dict = field(default_factory=dict)
-    # logging
-    log_positions: int = 0  # per-position instruments sampled per step into positions.jsonl
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self): setattr(self, f.name, _check_type(f, getattr(self, f.name)))
-        checks = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=PAD_MODES, scheduler=SCHEDULERS,
-                      objective=OBJECTIVES, rollout=ROLLOUTS, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES,
-                      fused_kernel=FUSED_KERNEL_MODES, kernels=KERNELS,
-                      rollout_quantization=(None, "fp8"), rollout_kv_cache=("auto", "fp8"))
-        for k, allowed in checks.items():
-            if getattr(self, k) not in allowed:
-                raise ValueError(f"config field {k}={getattr(self, k)!r}: must be one of {allowed}")
-        ranges = dict(batch_size=(1, None), micro_batch_size=(1, None), steps=(1, None), save_every=(1, None),
-                      max_completion_length=(1, None), lora_r=(1, None), fused_chunk=(1, None), warmup_steps=(0, None),
-                      log_positions=(0, None), sample_top_k=(0, None), beta=(0, 1), checkpointing=(0, 1),
-                      lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None), async_queue=(0, None),
-                      async_carveout=(0, None), async_sms=(0, None), steps_per_rollout=(1, None), async_switch_ms=(1e-3, 5.0))
-        ranges.update(seed=(0, 2**32 - 1), cpu_threads=(0, None))   # seed: numpy's seeds are 32-bit
-        for k, (lo, hi) in ranges.items():
-            v = getattr(self, k)
-            if v < lo or (hi is not None and v > hi):
-                raise ValueError(f"config field {k}={v!r}: must be in [{lo}, {'inf' if hi is None else hi}]")
-        for k in ("lr", "temperature", "lora_alpha"):
-            if not getattr(self, k) > 0: raise ValueError(f"config field {k}={getattr(self, k)!r}: must be > 0")
-        if not 0 < self.top_p <= 1: raise ValueError(f"config field top_p={self.top_p!r}: must be in (0, 1]")
-        if self.fused_lora and self.lora_dropout > 0:   # with dropout peft's own forward would run: nothing fused
-            raise ValueError(f"config field fused_lora=True needs lora_dropout=0 (it is {self.lora_dropout})")
-        if self.flat_adapters and not self.fused_lora:   # the flat views are read by fuse_lora's forward only
-            raise ValueError("config field flat_adapters=True needs fused_lora=True")
-        if not 0 < self.vllm_memory < 1:
-            raise ValueError(f"config field vllm_memory={self.vllm_memory!r}: must be in (0, 1)")
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f"config field ema_decay={self.ema_decay!r}: must be in [0, 1)")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"config field top_k={self.top_k!r}: must be >= 0 (0 or None = off)")
-        self.lora_targets = tuple(self.lora_targets)
-        valid = [f.name for f in dataclasses.fields(PromptConfig)]
-        bad = sorted(set(self.prompt) - set(valid))
-        if bad: raise ValueError(f"config field prompt: unknown key(s) {bad}; valid keys: {valid}")
-        if self.async_rollout: self.vllm_sleep = False   # the engine stays awake: it samples while training runs
-        if self.packed and self.padding != "aligned":
-            raise ValueError(f"config field packed=True needs padding='aligned' (got padding={self.padding!r}): the "
-                             "released layout predicts the first completion token at a pad column, which packing drops")
-        if self.length_grouping and (self.padding, self.normalize) != ("aligned", "global"):
-            raise ValueError(f"config field length_grouping=True needs padding='aligned' and normalize='global' (got "
-                             f"padding={self.padding!r}, normalize={self.normalize!r}): with the release's padding a "
-                             "row's positions, and with per-micro-batch means the loss, depend on its micro-batch")
-
-    @classmethod
-    def toy(cls, **kw) -> "OPSDConfig":
-        "The CPU preset for the embedded toy world (SPEC: LoRA r8, batch 32, lr 1e-3, T 1.1, tau 0.05)."
-        base = dict(model="toy:soft", lora_r=8, lora_alpha=16, lr=1e-3, max_grad_norm=1.0, batch_size=32,
-                    micro_batch_size=32, steps=100, save_every=25, dtype="float32", max_completion_length=64,
-                    run_dir="runs/toy", log_positions=64, checkpointing=0.0, rollout="hf")
-        return cls(**{**base, **kw})
-
-    def replace(self, **kw) -> "OPSDConfig": return dataclasses.replace(self, **kw)
-
-    def to_dict(self) -> dict:
-        d = asdict(self); d["lora_targets"] = list(self.lora_targets); return d
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "OPSDConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        if d.get("sample_seeding", "row") != "row":   # a field of 2026-12-04/05, removed: see 05_rollout, Seeding
-            raise ValueError(f"{source}: config field sample_seeding={d['sample_seeding']!r} was removed (its seed did "
-                             "not repeat on vLLM); every request is seeded seed + i, as 'row' was")
-        d = {k: v for k, v in d.items() if k != "sample_seeding"}   # 'row', written by runs of those days: today's way
-        unknown = sorted(set(d) - known)
-        if unknown: raise ValueError(f"{source}: unknown config field(s) {unknown}; known: {sorted(known)}")
-        try: return cls(**d)
-        except ValueError as e: raise ValueError(f"{source}: {e}") from None
-
-    @classmethod
-    def from_yaml(cls, path, base: "OPSDConfig | None" = None, **overrides) -> "OPSDConfig":
-        "Load a YAML file (a mapping of config fields) on top of `base`; keyword overrides win."
-        d = read_yaml(path)
-        if not isinstance(d, dict):
-            raise ValueError(f"{path}: expected a mapping of config fields, got {type(d).__name__}")
-        return cls.from_dict({**(base or cls()).to_dict(), **d, **overrides}, source=str(path))
-
-def read_yaml(path) -> dict | list | None:
-    "A YAML file's content; a missing file or malformed YAML is a one-line error naming the file (and line)."
-    import yaml
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} " + ("is a folder" if path.is_dir() else "does not exist"))
-    try: return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ValueError(f"{path}: {where}not valid YAML ({what})") from None
-    except UnicodeDecodeError as e: raise ValueError(f"{path}: not a text file ({e.reason})") from None
-
-_TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
-
-def _check_type(f, v):
-    "A config value converted to its field's type (strings that spell a number or bool), or a clear error."
-    t = str(f.type).replace(" ", "")
-    optional = t.endswith("|None")
-    base = t[:-5] if optional else t
-    if v is None:
-        if optional: return v
-        raise ValueError(f"config field {f.name}: must not be empty (None)")
-    bad = lambda want: ValueError(f"config field {f.name}={v!r}: expected {want}, got {type(v).__name__}")
-    if base == "bool":
-        if isinstance(v, bool): return v
-        if isinstance(v, str) and v.lower() in _TRUE + _FALSE: return v.lower() in _TRUE
-        raise bad("true or false")
-    if base in ("int", "float"):
-        if isinstance(v, str):
-            try: v = float(v.strip())
-            except ValueError: raise bad("a number") from None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v): raise bad("a finite number")
-        if base == "int":
-            if float(v) != int(v): raise bad("an integer")
-            return int(v)
-        return float(v)
-    if base == "str":
-        if not isinstance(v, str): raise bad("a string")
-        return v
-    if base == "dict" and not isinstance(v, dict): raise bad("a mapping")
-    if base == "tuple" and not isinstance(v, (list, tuple)): raise bad("a list")
-    return v
+__all__ = ['CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing',
+           'bf16_adapter_compute', 'Teacher', 'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan',
+           'Samples', 'PendingRollout', 'BackwardResult', 'UpdateResult', 'Timings', 'rollout_engine_kw',
+           'engine_settings', 'OPSDTrainer', 'length_groups', 'padded_share', 'config_differences', 'check_run_config',
+           'check_same_base', 'base_fingerprint', 'train']
 
 # %% ../nbs/06_train.ipynb #8b368d88
 def add_lora(model, cfg: OPSDConfig):
@@ -523,19 +303,6 @@ def engine_settings(x) -> tuple:
 def _sync(device):
     if torch.device(device).type == "cuda": torch.cuda.synchronize(device)
 
-def _final_hidden(model, b, who: str, packed: bool = False):
-    "Final (normed) hidden states (B, L, H) of one side's completion positions, through `model` (prepared or not)."
-    dec, _ = decoder_of(model.module if hasattr(model, "module") and not hasattr(model, "get_base_model") else model)
-    p, got = pack(b, who) if packed else None, {}
-    hook = dec.norm.register_forward_hook(lambda m, i, o: got.__setitem__("h", o))
-    try: model(**(packed_inputs(model, p) if p else b.inputs(who)), logits_to_keep=1, use_cache=False)   # the rest: hidden states
-    finally: hook.remove()
-    return p.spread(got["h"][0, p.source]) if p else got["h"][:, -b.completion_len - 1:-1]
-
-def _completion_logits(model, b, who: str, packed: bool = False):
-    "(B, L, V) logits of one side's completion positions, from the padded batch or its packed rows (`opsd.packing`)."
-    return packed_logits(model, pack(b, who)) if packed else batch_logits(model, b, who)
-
 class OPSDTrainer:
     "Runs OPSD for a config on a list of problem records; writes the run folder."
     def __init__(self, cfg: OPSDConfig,
@@ -569,9 +336,9 @@ class OPSDTrainer:
         base, _ = load_model(self.model_path, cfg.dtype)
         set_checkpointing(base, cfg.checkpointing)
         self.sharded = self.acc.distributed_type.name in ("FSDP", "DEEPSPEED")
-        if cfg.fused and self.sharded:
-            raise ValueError("config field fused=True: the fused loss reads the lm_head weight outside the forward, "
-                             "which FSDP/DeepSpeed ZeRO shard; use fused=False with those launch configs")
+        if cfg.loss_kernel != "logits" and self.sharded:
+            raise ValueError(f"config field loss_kernel={cfg.loss_kernel!r}: the chunked loss reads the lm_head weight "
+                             "outside the forward, which FSDP/DeepSpeed ZeRO shard; use loss_kernel='logits' there")
         model = add_lora(base, cfg).to(self.acc.device)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.eos_id = self.tok.eos_token_id
@@ -587,17 +354,15 @@ class OPSDTrainer:
         self.rollout = rollout if rollout is not None else self._make_rollout()
         if rollout is not None: self.sync()   # a shared engine may hold another run's student: load ours first
         # after the rollout is made: HFRollout copies the model, and a compiled copy would recompile under generate
-        apply_kernels(self.unwrapped, cfg.kernels)
+        apply_kernels(self.unwrapped, cfg.decoder_kernels)
         if cfg.fused_lora: fuse_lora(self.unwrapped)   # LoRA's scale and add in one GEMM (05e_kernels)
-        if cfg.flat_adapters and self.acc.num_processes > 1:   # DDP reduces from each weight's accumulation hook
-            raise ValueError(f"config field flat_adapters=True runs on one process; this launch has "
-                             f"{self.acc.num_processes}: use flat_adapters=False")
-        # the adapters' casts and gradient accumulation once per micro-batch (05e_kernels)
-        self._flat = FlatAdapters(self.unwrapped) if cfg.flat_adapters else None
-        if cfg.packed: use_packed_attention(self.unwrapped)   # padded calls (generation, evaluation) are unchanged
+        if cfg.padding == "packed": use_packed_attention(self.unwrapped)   # padded calls (generation, eval) unchanged
+        if cfg.async_rollout and self.acc.device.type == "cuda" and getattr(self.rollout, "gen_model", None) is self.unwrapped:
+            raise ValueError("config field async_rollout=True: the HF rollout generates with the training model itself; "
+                             "use a merged HF engine (the trainer's default) or vLLM")
         self.step_done, self.resumed_from = 0, None
-        # async_rollout: the next step's rollout; training's stream and its green context (async_sms)
-        self._pending, self._train_stream, self._train_ctx = None, None, None
+        self._pending = None   # completions sampled for later steps (`steps_per_rollout`, `async_rollout`)
+        self.overlap = Overlap(self.acc.device)   # the training half beside a rollout (async_rollout), else in turn
 
     @property
     def unwrapped(self): return self.acc.unwrap_model(self.model)
@@ -733,14 +498,15 @@ def padded_share(batches, who: str = "student") -> float:
 
 @patch
 def batches(self: OPSDTrainer, mine: list[int], comps: list[list[int]]) -> list:
-    "Micro-batches of collated student/teacher inputs (the padding mode of the config; `length_grouping`)."
+    """Micro-batches of collated student/teacher inputs in the config's layout (`padding`; `length_grouping`), prepared
+    on the host (`host_prepared`): with padding='packed' each is a `PackedBatch`, which the forwards read packed."""
     cfg, out, mb = self.cfg, [], self.cfg.micro_batch_size
     for g in length_groups([len(trim_at_eos(c, self.eos_id)) for c in comps], mb, by_length=cfg.length_grouping):
         rows = [mine[k] for k in g]
         b = collate([self.prompts(i)[0] for i in rows], [self.prompts(i)[1] for i in rows], [comps[k] for k in g],
-                    pad_id=self.pad_id, eos_id=self.eos_id, mode=cfg.padding)
+                    pad_id=self.pad_id, eos_id=self.eos_id, mode="aligned" if cfg.padding == "packed" else cfg.padding)
         if cfg.mask_pad_completion: b.labels[b.labels == self.pad_id] = -100   # the release masks pad-valued tokens
-        out.append(b)
+        out.append(host_prepared(b, packed=cfg.padding == "packed"))
     return out
 
 
@@ -751,29 +517,24 @@ def _fused_loss(self: OPSDTrainer, b, num_items):
     from opsd.fused import fused_divergence
     from opsd.fused_triton import chunk_fn_for
     cfg = self.cfg
-    hs = _final_hidden(self.model, b, "student", cfg.packed)                                 # (B, L, H)
-    ht = self._teach(lambda: _final_hidden(self.unwrapped, b, "teacher", cfg.packed))        # (B, L, H)
+    hs = side_hidden(self.model, b, "student")                                               # (B, L, H)
+    ht = self.teacher(lambda: side_hidden(self.unwrapped, b, "teacher"))                     # (B, L, H)
     w = decoder_of(self.unwrapped)[1].get_output_embeddings().weight                         # (V, H)
-    fn = chunk_fn_for(cfg.fused_kernel, hs.device, beta=cfg.beta, clip=cfg.clip, top_k=cfg.top_k, vocab=w.shape[0])
+    fn = chunk_fn_for(cfg.loss_kernel, hs.device, beta=cfg.beta, clip=cfg.clip, top_k=cfg.top_k, vocab=w.shape[0])
     return fused_divergence(hs, ht, w, b.labels, beta=cfg.beta, temperature=cfg.temperature, clip=cfg.clip,
-                            tau=cfg.tau, top_k=cfg.top_k, num_items=num_items, chunk_size=cfg.fused_chunk,
+                            tau=cfg.tau, top_k=cfg.top_k, num_items=num_items, chunk_size=cfg.loss_chunk,
                             diagnostics=True, chunk_fn=fn, valid_index=b.host.get("valid"))
 
-@patch
-def _teach(self: OPSDTrainer, fn):
-    "The teacher's pass (`Teacher`), reading the adapter weights themselves (an EMA teacher swaps its own in)."
-    if self._flat is None: return self.teacher(fn)
-    with self._flat.hidden(): return self.teacher(fn)
 
 @patch
 def forward_loss(self: OPSDTrainer, b, num_items=None):
     "Loss (over `num_items`, or the micro-batch's own count) and per-position instruments of one micro-batch."
     cfg = self.cfg
+    # bf16 adapters: CUDA only (on CPU the adapters compute in the weights' dtype)
     with bf16_adapter_compute(self.unwrapped, cfg.bf16_adapters and self.acc.device.type == "cuda"):
-        if self._flat is not None: self._flat.gather(self.acc.device.type)   # this micro-batch's adapter views
-        if cfg.fused and cfg.objective == "divergence": return self._fused_loss(b, num_items)
-        s_logits = _completion_logits(self.model, b, "student", cfg.packed)                  # (B, L, V)
-        t_logits = self._teach(lambda: _completion_logits(self.unwrapped, b, "teacher", cfg.packed))
+        if cfg.loss_kernel != "logits" and cfg.objective == "divergence": return self._fused_loss(b, num_items)
+        s_logits = side_logits(self.model, b, "student")                                     # (B, L, V)
+        t_logits = self.teacher(lambda: side_logits(self.unwrapped, b, "teacher"))
     kw = dict(beta=cfg.beta, temperature=cfg.temperature, clip=cfg.clip, tau=cfg.tau, top_k=cfg.top_k)
     if cfg.objective == "divergence":
         return loss_and_diagnostics(s_logits, t_logits, b.labels, num_items=num_items, **kw)
@@ -797,21 +558,20 @@ def backward_all(self: OPSDTrainer, batches) -> BackwardResult:
     if len(batches) != self.accum: raise RuntimeError(f"{len(batches)} micro-batches, expected {self.accum}")
     out = BackwardResult({}, torch.zeros((), dtype=torch.float64, device=acc.device), [])
     self.model.train()
-    with self._flat.step() if self._flat is not None else nullcontext():   # adapters' .grad: one float32 buffer
-        for b in batches:   # packed rows and valid positions found on the host, then non-blocking copies: no host sync
-            b = (host_prepared(b, cfg.packed) if b.labels.device.type == "cpu" else b).to(acc.device)
-            with acc.accumulate(self.model):
-                if cfg.normalize == "global":
-                    loss, diag = self.forward_loss(b, n_global)
-                    scale, reported = self.accum * acc.num_processes, loss.detach().double()
-                else:   # the release: each micro-batch's own mean, averaged over micro-batches and processes
-                    loss, diag = self.forward_loss(b, None)
-                    scale, reported = 1.0, loss.detach().double() / (self.accum * acc.num_processes)
-                acc.backward(loss * scale)
-            out.loss_total += reported
-            for k, v in diagnostic_sums(diag).items(): out.sums[k] = out.sums.get(k, 0) + v
-            if cfg.log_positions: out.positions.append(diagnostics_frame(diag))
-            del loss, diag
+    for b in batches:   # prepared on the host (`batches`), then non-blocking copies: no host sync
+        b = b.to(acc.device)
+        with acc.accumulate(self.model):
+            if cfg.normalize == "global":
+                loss, diag = self.forward_loss(b, n_global)
+                scale, reported = self.accum * acc.num_processes, loss.detach().double()
+            else:   # the release: each micro-batch's own mean, averaged over micro-batches and processes
+                loss, diag = self.forward_loss(b, None)
+                scale, reported = 1.0, loss.detach().double() / (self.accum * acc.num_processes)
+            acc.backward(loss * scale)
+        out.loss_total += reported
+        for k, v in diagnostic_sums(diag).items(): out.sums[k] = out.sums.get(k, 0) + v
+        if cfg.log_positions: out.positions.append(diagnostics_frame(diag))
+        del loss, diag
     if not acc.sync_gradients: raise RuntimeError("accelerate did not mark the last micro-batch as a sync step")
     return out
 
@@ -861,20 +621,45 @@ def _sampled_acc(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> float |
     return float(np.mean([self.grader(t, str(self.problems[i]["answer"])) for t, i in zip(texts, plan.idx)]))
 
 @patch
+def train_half(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> tuple[BackwardResult, UpdateResult]:
+    "The step's micro-batches, forwards with the loss and backwards, then the update: what may run beside a rollout."
+    return self.backward_all(self.batches(plan.mine, samples.comps)), self.update()
+
+@patch
+def next_rollout(self: OPSDTrainer, step: int) -> PendingRollout | None:
+    """`async_rollout`: the rollout of the next group of steps, to run beside this step's training half once this
+    step's group is used up (from the engine's weights, θ_{step-1}); None otherwise."""
+    if not self.cfg.async_rollout or self._pending is not None or step >= self.cfg.steps: return None
+    return self.pending_for(self.group_steps(step + 1), at=step)
+
+@patch
+def engine_samples_next(self: OPSDTrainer, step: int) -> bool:
+    "Whether the engine samples during the next step (or the run ends here): then it needs this step's weights now."
+    p = self._pending
+    return p is None or step == self.cfg.steps or (self.cfg.async_rollout and p.steps[-1] == step + 1)
+
+@patch
 def step(self: OPSDTrainer, step: int) -> dict:
-    "One optimizer step: plan, sample, batches, forward_loss + backward, update, sync; returns its metrics row."
-    if self.cfg.async_rollout: return self._step_async(step)
-    dev = self.acc.device
-    t0 = time.perf_counter()
+    """One optimizer step: plan, sample, then the training half (batches, forward_loss + backward, update), sync;
+    returns its metrics row. With `async_rollout` the same parts: the samples come from a rollout of an earlier step,
+    and the next rollout runs beside the training half (`opsd.overlap`)."""
+    dev, t0 = self.acc.device, time.perf_counter()
     plan = self.plan(step)
     samples = self.sample(plan)
     _sync(dev); t1 = time.perf_counter()
-    back = self.backward_all(self.batches(plan.mine, samples.comps))
-    upd = self.update()
+    nxt = self.next_rollout(step)
+    ran = self.overlap.run(lambda: self.train_half(plan, samples), nxt and (lambda: self.run_pending(nxt)))
     _sync(dev); t2 = time.perf_counter()
-    if self._pending is None: self.sync()   # the next step samples (steps_per_rollout > 1: after a group's last)
+    if nxt is not None: self._pending = nxt
+    if self.engine_samples_next(step): self.sync()
     _sync(dev); t3 = time.perf_counter()
-    row = self.metrics_row(step, samples=samples, back=back, update=upd, times=Timings(t1 - t0, t2 - t1, t3 - t2),
+    times = Timings(t1 - t0, t2 - t1, t3 - t2)
+    if self.cfg.async_rollout:   # the rollout time that training did not hide, and the part it hid
+        wait = (t1 - t0) + max((t2 - t1) - ran.work_s, 0.0)
+        times = Timings(rollout=(t1 - t0) + ran.alongside_s, train=ran.work_s, sync=t3 - t2, rollout_wait=wait,
+                        overlap=max((t1 - t0) + ran.alongside_s - wait, 0.0))
+    back, upd = ran.result
+    row = self.metrics_row(step, samples=samples, back=back, update=upd, times=times,
                            sampled_acc=self._sampled_acc(plan, samples))
     self._keep_positions(step, back)
     return row
@@ -898,7 +683,7 @@ def config_differences(old: dict, # a saved config.json
                        new: dict, # `OPSDConfig.to_dict()` of the new run
                       ) -> dict: # field -> (old, new)
     "The fields on which two configs give different results (RESUME_MAY_DIFFER aside; absent = the default)."
-    defaults, old, new = _plain(OPSDConfig().to_dict()), _plain(old), _plain(new)
+    defaults, old, new = _plain(OPSDConfig().to_dict()), _plain(upgrade_config(old)), _plain(upgrade_config(new))
     out = {k: (old.get(k, d), new.get(k, d)) for k, d in defaults.items()
            if k not in RESUME_MAY_DIFFER and old.get(k, d) != new.get(k, d)}
     if "steps" in out and old.get("scheduler") == new.get("scheduler") == "constant": del out["steps"]
@@ -1052,164 +837,3 @@ def train(cfg: OPSDConfig, problems: Sequence[dict] | None = None, resume: bool 
             raise ValueError("no problems: pass `problems` or set cfg.data (the CLI's default is the toy world)")
         problems = load_problems(cfg.data)
     return OPSDTrainer(cfg, problems, **kw).fit(resume=resume)
-
-# %% ../nbs/06_train.ipynb #a5f1c002
-@dataclass
-class TrainingJob:
-    "The training half of an async step (backward + update), in a thread (on CUDA on its own stream)."
-    step: int
-    back: BackwardResult | None = None
-    update: UpdateResult | None = None
-    seconds: float = 0.0
-    error: BaseException | None = None
-    thread: object = None
-
-
-def _sync_main(device):
-    "Wait for this thread's CUDA stream only (a device-wide synchronize would also wait for the other thread's kernels)."
-    if torch.device(device).type == "cuda": torch.cuda.current_stream(device).synchronize()
-
-class LaunchThrottle:
-    """Cap the CUDA work one thread keeps queued, counted in decoder layers: after each layer's forward (and before
-    its backward) an event is recorded, and the thread waits for the event `depth` layers back. `Event.synchronize`
-    releases the GIL; a kernel launch that finds the device's queue full blocks while holding it. The hypothesis: an
-    uncapped training thread starves the rollout thread of the GIL. Measured on one H200 (1.7B, 12_bench): a cap of
-    2 layers cut the rollout's wait 2.58 -> 2.16 s but slowed training 2.52 -> 3.56 s (step 5.13 -> 5.80 s); 8 layers
-    gave 5.07 s, within the spread. So the rollout slows beside training by sharing the GPU, not the GIL: off by
-    default (`OPSDConfig.async_queue=0`), kept to reproduce that measurement."""
-    def __init__(self, depth: int, event=None): # event: a factory of objects with record()/synchronize()
-        self.depth, self.events, self.event = depth, collections.deque(), event or torch.cuda.Event
-    def mark(self):
-        ev = self.event(); ev.record()           # on the calling thread's current stream (autograd: the layer's)
-        self.events.append(ev)
-        while len(self.events) > self.depth: self.events.popleft().synchronize()
-    def _forward(self, module, args, out):
-        self.mark()
-        t = out if isinstance(out, torch.Tensor) else next((o for o in out if isinstance(o, torch.Tensor)), None)
-        if t is not None and t.requires_grad: t.register_hook(lambda g: self.mark())   # before this layer's backward
-    def attach(self, model) -> list:
-        "Forward hooks on every `*DecoderLayer` of `model`; returns the handles (remove them when done)."
-        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-        if not layers: raise ValueError(f"LaunchThrottle: no *DecoderLayer module in {type(model).__name__}")
-        return [m.register_forward_hook(self._forward) for m in layers]
-
-@contextmanager
-def sm_carveout(n: int):
-    """Inside, cuBLAS GEMMs target `n` fewer SMs, leaving them to other streams' kernels (process-wide, restored on
-    exit; 0 changes nothing). GEMMs replayed from CUDA graphs keep the SM count they were captured with, so vLLM's
-    decoding is unaffected while the trainer's eager GEMMs leave those SMs free for it."""
-    if not n: yield; return
-    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        raise RuntimeError(f"config field async_carveout={n}: torch {torch.__version__} has no SM carveout for "
-                           "cuBLAS (torch._C._set_sm_carveout_experimental); set async_carveout=0")
-    get, put = torch._C._get_sm_carveout_experimental, torch._C._set_sm_carveout_experimental
-    old = get(); put(n)
-    try: yield
-    finally: put(old)
-
-def green_stream(n: int, device) -> tuple:
-    """A CUDA stream whose kernels run on at most `n` of the GPU's SMs (a CUDA green context), so the other SMs stay
-    free for other streams' kernels. Returns (context, stream): the stream lives as long as the context. Where
-    `sm_carveout` binds only cuBLAS's GEMMs, this binds every kernel (attention, elementwise, Triton, the loss). CUDA
-    may round `n` up to its SM group size (8 on Hopper). Needs torch 2.9+ built for CUDA 12.8+."""
-    where = f"config field async_sms={n}"
-    idx = torch.device(device).index
-    try:
-        from torch.cuda.green_contexts import GreenContext
-        idx = torch.cuda.current_device() if idx is None else idx
-        # torch 2.9-2.13: GreenContext.create(num_sms=, device_id=); later releases construct it directly
-        ctx = (GreenContext.create(num_sms=n, device_id=idx) if hasattr(GreenContext, "create")
-               else GreenContext(num_sms=n, device_id=idx))
-        return ctx, ctx.Stream()
-    except (ImportError, RuntimeError, TypeError, AttributeError, AssertionError) as e:
-        raise RuntimeError(f"{where}: torch {torch.__version__} made no green context of {n} SMs on cuda:{idx} "
-                           f"({type(e).__name__}: {e}); set async_sms=0") from e
-
-@patch
-def launch_training(self: OPSDTrainer, plan: StepPlan, samples: Samples) -> TrainingJob:
-    "Backward and update of `plan` on `samples` in a thread: on CUDA beside the rollout (own stream), on CPU after it."
-    import threading
-    job, dev = TrainingJob(plan.step), self.acc.device
-    cuda = dev.type == "cuda"
-    if cuda and self._train_stream is None and self.cfg.async_sms:   # training's kernels on async_sms SMs only
-        self._train_ctx, self._train_stream = green_stream(self.cfg.async_sms, dev)
-    elif cuda and self._train_stream is None:   # 0 is CUDA's lowest priority; else level with the engine's stream
-        prio = 0 if self.cfg.async_priority else torch.cuda.current_stream(dev).priority
-        self._train_stream = torch.cuda.Stream(dev, priority=prio)
-    stream = self._train_stream if cuda else None
-    throttle = LaunchThrottle(self.cfg.async_queue) if cuda and self.cfg.async_queue else None
-    def work():   # one code path: on CPU torch.cuda.device(-1) and torch.cuda.stream(None) do nothing
-        t0 = time.perf_counter()
-        hooks = throttle.attach(self.unwrapped) if throttle else []
-        try:
-            with torch.cuda.device(dev if cuda else -1), torch.cuda.stream(stream):
-                job.back = self.backward_all(self.batches(plan.mine, samples.comps))
-                job.update = self.update()
-                if cuda: stream.synchronize()
-        except BaseException as e: job.error = e
-        finally:
-            for h in hooks: h.remove()
-        job.seconds = time.perf_counter() - t0
-    if cuda: stream.wait_stream(torch.cuda.current_stream(dev))   # the last sync's reads of θ and the adapter clone
-    job.thread = threading.Thread(target=work, name=f"opsd-train-{plan.step}", daemon=True)
-    job.thread.start()
-    return job
-
-@patch
-def join_training(self: OPSDTrainer, job: TrainingJob) -> tuple[BackwardResult, UpdateResult]:
-    "Wait for a training job; order this thread's stream after it; raise its error naming the step."
-    if job.thread is not None: job.thread.join(); job.thread = None
-    if self._train_stream is not None: torch.cuda.current_stream(self.acc.device).wait_stream(self._train_stream)
-    if job.error is not None: raise RuntimeError(f"the training of step {job.step} failed") from job.error
-    return job.back, job.update
-
-@patch
-def _step_async(self: OPSDTrainer, step: int) -> dict:
-    """One step with the next rollout overlapped: train on the pending samples (from θ_{step-2}); sample the next
-    step's (`steps_per_rollout` k: the next k steps', once this step's group is used up) beside the training; sync
-    θ_step when the next step samples."""
-    import sys
-    dev, t0 = self.acc.device, time.perf_counter()
-    cuda = dev.type == "cuda"
-    if cuda and getattr(self.rollout, "gen_model", None) is self.unwrapped:
-        raise ValueError("config field async_rollout=True: the HF rollout generates with the training model itself; "
-                         "use a merged HF engine (the trainer's default) or vLLM")
-    plan, ran = self.plan(step), 0.0
-    if self._pending is None or step not in self._pending.samples:   # the first step (or a resume without a stored
-        self._pending = self.pending_for(self.group_steps(step), at=step)   # rollout): sample this step's group first
-        self.run_pending(self._pending); _sync_main(dev); ran = time.perf_counter() - t0
-    samples = self.take(step)   # sampled during an earlier step (from θ_{step-2}), unless just now
-    # this step's group is used up: the next group samples beside this step's training, from the engine's θ_{step-1}
-    nxt = self.pending_for(self.group_steps(step + 1), at=step) if self._pending is None and step < self.cfg.steps else None
-    t1 = time.perf_counter()
-    def roll():   # here, in the engine's own thread
-        r0 = time.perf_counter(); self.run_pending(nxt); _sync_main(dev)
-        nxt.seconds = time.perf_counter() - r0
-    if nxt is not None and not cuda: roll()   # CPU: in turn, the rollout first
-    carve = self.cfg.async_carveout
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else None
-    for k in ("async_carveout", "async_sms"):
-        if cuda and getattr(self.cfg, k) >= sms:
-            raise ValueError(f"config field {k}={getattr(self.cfg, k)}: must be below the GPU's {sms} SMs")
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(min(switch, self.cfg.async_switch_ms / 1000))   # CPU too: the same code path, tested there
-    try:
-        with sm_carveout(carve):
-            job = self.launch_training(plan, samples)
-            try:
-                if nxt is not None and cuda: roll()
-            finally: back, upd = self.join_training(job)   # never leave the thread training under an error
-    finally: sys.setswitchinterval(switch)
-    t2 = time.perf_counter()
-    if nxt is not None: self._pending = nxt
-    p = self._pending   # θ_step to the engine (after its rollout finished) when the next step samples
-    if p is None or p.steps[-1] == step + 1 or step == self.cfg.steps: self.sync()
-    _sync_main(dev); t3 = time.perf_counter()
-    ran += nxt.seconds if nxt is not None else 0.0
-    wait = (t1 - t0) + max((t2 - t1) - job.seconds, 0.0)   # the rollout time that training did not hide
-    times = Timings(rollout=ran, train=job.seconds, sync=t3 - t2, rollout_wait=wait, overlap=max(ran - wait, 0.0))
-    row = self.metrics_row(step, samples=samples, back=back, update=upd, times=times,
-                           sampled_acc=self._sampled_acc(plan, samples))
-    self._keep_positions(step, back)
-    return row
-

@@ -1,4 +1,4 @@
-"""Rollouts overlapped with training (`OPSDConfig.async_rollout`, issue 18): off is the synchronous step unchanged;
+"""Rollouts overlapped with training (`OPSDConfig.async_rollout`): off is the synchronous step unchanged;
 on, step t trains on completions sampled from the adapter before step t-1's update (theta_{t-2}) with step t's own
 problems and seed; a resumed async run equals the uninterrupted one.
 
@@ -6,7 +6,7 @@ Every trainer runs in float64 on CPU with one thread (bit-reproducible on one ma
 exactly and metrics to rel 1e-10. On CPU the next rollout runs first and the training then runs in the training
 thread while the main thread waits (no overlap): the thread code is the one CUDA runs, with its device and stream calls
 doing nothing; the overlap itself is checked by the GPU tests at the end (run by the lead on the H200). Each docstring
-names the deliberate break made once in a working copy of opsd/train.py, which made the test fail."""
+names the deliberate break made once in a working copy of opsd/train.py or opsd/overlap.py, which made the test fail."""
 import json, os, subprocess
 from pathlib import Path
 
@@ -115,11 +115,11 @@ def test_async_trains_on_samples_from_two_updates_back(sharp_ckpt, toy_problems,
 
 
 def test_async_training_runs_in_the_training_thread_on_cpu(sharp_ckpt, toy_problems, tmp_path):
-    """On CPU the backward and update of an async step run in the `opsd-train-<step>` thread through the same code as
-    on CUDA (the first CUDA version's device/stream context was a tuple on CUDA only and failed at step 1 on the H200,
-    while the CPU took another branch), the rollouts stay in the main thread, and the thread's metrics equal the
-    in-thread reference of the other tests. Break that made it fail: `launch_training` calling `work()` at once on
-    CPU (the training then runs in MainThread)."""
+    """On CPU the training half of an async step that has a rollout beside it runs in the `opsd-train` thread through
+    the same code as on CUDA (`opsd.overlap`; the first CUDA version's device/stream context was a tuple on CUDA only and
+    failed at step 1 on the H200, while the CPU took another branch), the rollouts stay in the main thread, and the last
+    step, with no rollout beside it, trains in the main thread. Break that made it fail: `Overlap.run` calling `train()`
+    at once on CPU (the training then runs in MainThread)."""
     import threading
     tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "thr", async_rollout=True, steps=3)
     where = dict(batches=[], update=[], generate=[])
@@ -131,62 +131,9 @@ def test_async_training_runs_in_the_training_thread_on_cpu(sharp_ckpt, toy_probl
         return f
     tr.batches, tr.update, tr.rollout.generate = note("batches", bat), note("update", upd), note("generate", gen)
     rows = [tr.step(s) for s in range(1, 4)]
-    assert where["batches"] == where["update"] == [f"opsd-train-{s}" for s in (1, 2, 3)]
+    assert where["batches"] == where["update"] == ["opsd-train", "opsd-train", "MainThread"]
     assert set(where["generate"]) == {"MainThread"} and len(where["generate"]) == 3   # steps 1, 2, 3 (none after 3)
     assert all(r["time/train"] > 0 for r in rows)
-
-
-def test_sm_carveout_and_switch_interval_hold_while_training_and_are_restored(sharp_ckpt, toy_problems, tmp_path):
-    """`async_carveout=N` sets the process's cuBLAS SM carveout to N for the training half of each async step (read
-    in the training thread, where the GEMMs are launched) and `async_switch_ms` the GIL switch interval; both are put
-    back after it, also when the training fails. Breaks that made it fail, each once: no `sm_carveout` around the
-    launch (the thread reads None); `sm_carveout` without its `finally` (the failed step leaves 8 set for the rest of
-    the process); the interval set from the default instead of the field (0.001 read, not 0.0003)."""
-    import sys
-    get = torch._C._get_sm_carveout_experimental
-    before, switch = get(), sys.getswitchinterval()
-    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "carve", async_rollout=True, async_carveout=8, steps=2,
-                      async_switch_ms=0.3)
-    seen, upd = [], tr.update
-    tr.update = lambda: (seen.append((get(), round(sys.getswitchinterval(), 7))), upd())[1]
-    tr.step(1); tr.step(2)
-    assert seen == [(8, 0.0003)] * 2 and get() == before and sys.getswitchinterval() == switch
-    bad = make_trainer(sharp_ckpt, toy_problems, tmp_path / "boom", async_rollout=True, async_carveout=8, steps=2)
-
-    def boom(): raise RuntimeError("boom")
-    bad.update = boom
-    with pytest.raises(RuntimeError, match="training of step 1 failed"): bad.step(1)
-    assert get() == before and sys.getswitchinterval() == switch
-
-
-def test_launch_throttle_marks_each_layer_forward_and_backward(tiny_ckpt):
-    """`LaunchThrottle` (the async training thread's cap on queued CUDA work) on a real Qwen3, with a recording event
-    in place of torch.cuda.Event (CPU has no events): one mark after each decoder layer's forward, one before each
-    layer's backward, and at each mark a wait for the mark `depth` back, oldest first; removing the handles ends it.
-    Break to try: no tensor hook on the layer's output (the backward then marks nothing)."""
-    from transformers import AutoModelForCausalLM
-    from opsd.train import LaunchThrottle
-    log = []
-
-    class Rec:
-        def __init__(self): self.n = sum(e[0] == "mark" for e in log); log.append(("mark", self.n))
-        def record(self): pass
-        def synchronize(self): log.append(("wait", self.n))
-    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
-    layers = model.config.num_hidden_layers
-    th = LaunchThrottle(1, event=Rec)
-    hooks = th.attach(model)
-    loss = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]])).logits.float().square().mean()
-    assert [e for e in log if e[0] == "mark"] == [("mark", i) for i in range(layers)]   # forward: one per layer
-    loss.backward()
-    marks = [e[1] for e in log if e[0] == "mark"]
-    assert marks == list(range(2 * layers))                                              # backward: one per layer
-    assert [e[1] for e in log if e[0] == "wait"] == list(range(2 * layers - 1))            # oldest first
-    for h in hooks: h.remove()
-    model(input_ids=torch.tensor([[5, 6]]))
-    assert len(log) == 4 * layers - 1                                                    # detached: nothing more
-    with pytest.raises(ValueError, match="DecoderLayer"): th.attach(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="async_queue"): OPSDConfig.toy(async_queue=-1)
 
 
 def test_async_resume_equals_uninterrupted_run(sharp_ckpt, toy_problems, tmp_path):
@@ -237,50 +184,15 @@ def test_cli_set_async_rollout(tiny_ckpt, toy_data_file, tmp_path):
     assert (run / "checkpoints" / "step-2" / "rollout_adapter.safetensors").exists()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without green contexts")
-def test_async_sms_refused_clearly_without_green_contexts(sharp_ckpt, toy_problems, tmp_path):
-    """`async_sms` below 0 is refused naming the field; where torch makes no green context (this CPU build), the error
-    of `green_stream` names the field and the fix. On CPU the async step ignores it, like the other CUDA levers.
-    Break that made it fail once: the error raised without the field's name."""
-    from opsd.train import green_stream
-    with pytest.raises(ValueError, match="async_sms"):
-        OPSDConfig.toy(async_sms=-8)
-    with pytest.raises(RuntimeError, match=r"config field async_sms=16: .*set async_sms=0"):
-        green_stream(16, "cuda:0")
-    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "sms", async_rollout=True, async_sms=16, steps=2)
-    assert [tr.step(s)["step"] for s in (1, 2)] == [1, 2] and tr._train_ctx is None
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_green_stream_confines_kernels_cuda():
-    """`green_stream(16)` really confines kernels: ten bf16 matmuls of 8192^2 take more than 3x as long on its stream
-    as on an ordinary one (132 SMs on the H200: about 8x expected). Break to try: return an ordinary stream."""
-    from opsd.train import green_stream
-    ctx, s16 = green_stream(16, "cuda")
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-
-    def seconds(stream, reps=10):
-        import time
-        with torch.cuda.stream(stream):
-            a @ a; stream.synchronize(); t = time.perf_counter()
-            for _ in range(reps): a @ a
-            stream.synchronize(); return time.perf_counter() - t
-    full, green = seconds(torch.cuda.Stream()), seconds(s16)
-    assert green > 3 * full, (full, green)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("sms", [0, 16])
-def test_async_thread_on_cuda_same_samples_and_overlap(sharp_ckpt, toy_problems, tmp_path, sms):
+def test_async_thread_on_cuda_same_samples_and_overlap(sharp_ckpt, toy_problems, tmp_path):
     """CUDA: the training of step t runs in a thread on its own stream while the main thread samples step t+1 (HF
     merged engine); the completions trained on equal the CPU semantics (a synchronous sample of step t from
     theta_{t-2}), and some rollout time is hidden under training. Break to try: `launch_training` running the work at
-    once on CUDA too (no overlap: time/overlap stays 0). With `async_sms=16` the training stream is a green context's
-    (16 SMs) and the same holds: the trainer's tensors cross between that stream and the main one correctly."""
+    once on CUDA too (no overlap: time/overlap stays 0)."""
     kw = dict(dtype="float32", batch_size=8, micro_batch_size=2, max_completion_length=32, lr=0.05, steps=4)
-    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "gpu", async_rollout=True, async_sms=sms, **kw)
+    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "gpu", async_rollout=True, **kw)
     assert tr.acc.device.type == "cuda"
     seen = record(tr)
     rows = [tr.step(s) for s in range(1, 5)]
@@ -289,7 +201,7 @@ def test_async_thread_on_cuda_same_samples_and_overlap(sharp_ckpt, toy_problems,
         set_peft_model_state_dict(ref.unwrapped, seen["theta"][max(t - 2, 0)]); ref.sync()
         assert seen["trained"][t - 1] == [list(c) for c in ref.sample(ref.plan(t)).comps], f"step {t}"
     assert sum(r["time/overlap"] for r in rows[:-1]) > 0
-    assert (tr._train_ctx is not None) == bool(sms)
+    assert tr.overlap.stream is not None
 
 
 VLLM_ASYNC_CHILD = r'''
@@ -311,15 +223,14 @@ kw = dict(model=out + "/base", steps=5, batch_size=16, micro_batch_size=4, lr=0.
           max_grad_norm=0.0, max_completion_length=48, log_positions=0, dtype="bfloat16", save_every=100,
           padding="aligned", rollout="vllm", vllm_memory=0.2)
 probs = make_problems(64, seed=0, split="train")
-tr = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/async", async_rollout=True, async_priority=True, async_carveout=8,
-                                **kw), probs, progress=False)
+tr = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/async", async_rollout=True, **kw), probs, progress=False)
 lora = lambda t: {k: v.detach().clone() for k, v in get_peft_model_state_dict(t.unwrapped).items()}
-seen, theta, bat, upd, carve = [], [lora(tr)], tr.batches, tr.update, []
+seen, theta, bat, upd = [], [lora(tr)], tr.batches, tr.update
 tr.batches = lambda mine, comps: seen.append([list(c) for c in comps]) or bat(mine, comps)
-tr.update = lambda: (carve.append(torch._C._get_sm_carveout_experimental()), upd(), theta.append(lora(tr)))[1]
+tr.update = lambda: (upd(), theta.append(lora(tr)))[0]
 rows = [tr.step(s) for s in range(1, 6)]
 prio = dict(engine=tr.rollout.stream.priority, main=torch.cuda.current_stream().priority,
-            training=tr._train_stream.priority, carve=carve, after=torch._C._get_sm_carveout_experimental())
+            training=tr.overlap.stream.priority)
 ref = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/ref", **kw), probs, progress=False, rollout=tr.rollout)
 want = []
 for t in range(1, 6):
@@ -350,10 +261,8 @@ def test_async_with_vllm_samples_from_two_updates_back(tmp_path):
     rollout time is hidden under training. Passed on the H200 (bench/h200-2026-12-04-async/test_async_vllm.log). The
     design it replaced (the rollout in a background thread) crashed with an illegal memory access at its second
     overlapped step there (bench/h200-2026-12-03-speed/run1-all). Break to try: syncing theta_t before the rollout of
-    step t+1 is joined (step 3 then trains on theta_2's samples). With async_priority and async_carveout on, it also
-    checks that vLLM adopted `engine_stream`'s high-priority stream, that training's stream is below it, and that the
-    carveout held only while training ran. Those three checks passed on the H200 on 2026-12-05
-    (bench/h200-2026-12-05-seeds/test_async_vllm.log)."""
+    step t+1 is joined (step 3 then trains on theta_2's samples). It also checks that vLLM adopted `engine_stream`'s
+    high-priority stream and that training's stream is level with it (`opsd.overlap`)."""
     pytest.importorskip("vllm")
     got = child_result(VLLM_ASYNC_CHILD, tmp_path)
     for t, (a, b) in enumerate(zip(got["seen"], got["want"]), 1):
@@ -361,5 +270,4 @@ def test_async_with_vllm_samples_from_two_updates_back(tmp_path):
     assert got["seen"][2] != got["fresh3"]
     assert sum(got["overlap"][:-1]) > 0, got
     p = got["prio"]   # lower number = higher priority: vLLM adopted the high-priority stream made before it started
-    assert p["engine"] == p["main"] < p["training"] == 0, p   # async_priority: training's stream at the lowest
-    assert p["carve"] == [8] * 5 and p["after"] is None, p   # async_carveout in the training half only
+    assert p["engine"] == p["main"] == p["training"] < 0, p

@@ -81,15 +81,14 @@ def test_choices_are_the_config_constants():
     """The flags' allowed values are the config's own constant objects, not re-typed lists.
     Break: `--clip` given choices=["entry", "token", "scaled", "none"] (a copy) -> the identity check fails."""
     from opsd.cli import parser, TRAIN_FLAGS
-    from opsd.collate import PAD_MODES
     from opsd.loss import CLIP_MODES
-    from opsd.train import OPSDConfig, ROLLOUTS, SCHEDULERS, TEACHER_MODES
+    from opsd.train import LAYOUTS, OPSDConfig, ROLLOUTS, SCHEDULERS, TEACHER_MODES
     from opsd.toy import TOY_PRESETS
     import dataclasses
     sub = parser()._subparsers._group_actions[0].choices
     acts = lambda cmd: {a.dest: a for a in sub[cmd]._actions}
     t, d, e = acts("train"), acts("demo"), acts("eval")
-    for name, const in (("clip", CLIP_MODES), ("teacher", TEACHER_MODES), ("padding", PAD_MODES),
+    for name, const in (("clip", CLIP_MODES), ("teacher", TEACHER_MODES), ("padding", LAYOUTS),
                         ("scheduler", SCHEDULERS), ("rollout", ROLLOUTS)):
         assert t[name].choices is const, name
     assert d["clips"].choices is CLIP_MODES and e["backend"].choices is ROLLOUTS

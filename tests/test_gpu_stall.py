@@ -1,4 +1,4 @@
-"""GPU check that vLLM rollouts have no mid-run sampler stall (markers `gpu`, `vllm`; issue 18).
+"""GPU check that vLLM rollouts have no mid-run sampler stall (markers `gpu`, `vllm`).
 
 vLLM compiles its Triton top-k/top-p kernel per batch-size class (divisible by 16 or not). Without a warm-up, the first
 decoding step at which a row stops at EOS (32 rows become 31) compiled the kernel mid-run: a 10 s stall on the H200.

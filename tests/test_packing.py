@@ -1,4 +1,4 @@
-"""opsd.packing (nbs/05f_packing) and the trainer's `packed=True`: the aligned layout without its pad columns gives the
+"""opsd.packing (nbs/05f_packing) and the trainer's `padding='packed'`: the aligned layout without its pad columns gives the
 padded step's numbers; on CUDA, torch's flash varlen kernel against the per-row reference, forward and backward."""
 import pytest
 import torch
@@ -17,11 +17,11 @@ def _step_cut(tr, cut):
         return tr.step(1)
 
 
-@pytest.mark.parametrize("over", [dict(), dict(fused=True), dict(objective="sampled_token"),
+@pytest.mark.parametrize("over", [dict(), dict(loss_kernel="torch"), dict(objective="sampled_token"),
                                   dict(teacher="ema", length_grouping=True)],
                          ids=["logits", "fused", "sampled_token", "ema+grouping"])
 def test_packed_step_is_the_padded_step(sharp_ckpt, toy_problems, tmp_path, over):
-    """One optimizer step with `packed=True` equals the padded aligned step to float64 rounding: loss, instruments,
+    """One optimizer step with `padding='packed'` equals the padded aligned step to float64 rounding: loss, instruments,
     grad norm and the updated adapter, with completions of varied lengths (pads inside every micro-batch), for the
     full-logits loss, the fused loss, the sampled-token objective, and the EMA teacher with length grouping. Breaks
     that made it fail: the completion logits read one position late: loss 0.5991 vs 0.6413; the rows attending
@@ -31,8 +31,8 @@ def test_packed_step_is_the_padded_step(sharp_ckpt, toy_problems, tmp_path, over
     out = {}
     for packed in (False, True):
         cfg = OPSDConfig.toy(model=str(sharp_ckpt), run_dir=str(tmp_path / f"p{packed}"), steps=1, batch_size=8,
-                             micro_batch_size=4, max_completion_length=12, padding="aligned", log_positions=0,
-                             dtype="float64", packed=packed, **over)
+                             micro_batch_size=4, max_completion_length=12, log_positions=0,
+                             dtype="float64", padding="packed" if packed else "aligned", **over)
         tr = OPSDTrainer(cfg, toy_problems, progress=False)
         out[packed] = (_step_cut(tr, cut), get_peft_model_state_dict(tr.unwrapped))
         name = tr.unwrapped.get_base_model().config._attn_implementation
@@ -45,8 +45,8 @@ def test_packed_step_is_the_padded_step(sharp_ckpt, toy_problems, tmp_path, over
 
 
 def test_packed_config_and_inputs_are_checked(tmp_path):
-    with pytest.raises(ValueError, match="packed=True needs padding='aligned'"):
-        OPSDConfig.toy(run_dir=str(tmp_path), packed=True, padding="released")
+    with pytest.raises(ValueError, match="config field padding='packing': must be one of"):
+        OPSDConfig.toy(run_dir=str(tmp_path), padding="packing")
     b = collate([[5, 6], [7]], [[5], [7, 8]], [[1, 2], [3]], pad_id=0, mode="released")
     with pytest.raises(ValueError, match="released layout"):
         pack(b)
@@ -108,8 +108,8 @@ def test_packed_step_on_cuda_is_close(tmp_path_factory, toy_problems, tmp_path, 
     rows = {}
     for packed in (False, True):
         cfg = OPSDConfig.toy(model=str(ckpt), run_dir=str(tmp_path / f"p{packed}"), steps=1, batch_size=8,
-                             micro_batch_size=4, max_completion_length=12, padding="aligned", log_positions=0,
-                             dtype="bfloat16", packed=packed, rollout="hf")
+                             micro_batch_size=4, max_completion_length=12, log_positions=0,
+                             dtype="bfloat16", padding="packed" if packed else "aligned", rollout="hf")
         rows[packed] = _step_cut(OPSDTrainer(cfg, toy_problems, progress=False), cut)
     assert calls, "the packed step did not reach torch's flash varlen kernel"
     assert rows[True]["tokens"] == rows[False]["tokens"] == sum(cut)
@@ -122,7 +122,7 @@ def test_packed_step_on_cuda_is_close(tmp_path_factory, toy_problems, tmp_path, 
 HOST_READS = {"nonzero", "_local_scalar_dense", "is_nonzero", "masked_select", "unique", "repeat_interleave"}
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits"])
+@pytest.mark.parametrize("fused", [True, False], ids=["chunked", "logits"])
 def test_packed_step_reads_nothing_back_after_the_move(sharp_ckpt, toy_problems, tmp_path, fused):
     """Between a packed micro-batch's move to the device and the update (forward, loss, backward), no operator whose
     result the host reads: on a GPU each is a sync that leaves the device idle (120 in the H100's training half before
@@ -132,8 +132,8 @@ def test_packed_step_reads_nothing_back_after_the_move(sharp_ckpt, toy_problems,
     without `valid_index` (2); no attention mask (transformers' packed-row test, 4); the tree of 3f943ab (28)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     cfg = OPSDConfig.toy(model=str(sharp_ckpt), run_dir=str(tmp_path / "run"), steps=2, batch_size=4, micro_batch_size=2,
-                         max_completion_length=8, padding="aligned", log_positions=0, dtype="float32", fused=fused,
-                         packed=True)
+                         max_completion_length=8, padding="packed", log_positions=0, dtype="float32",
+                         loss_kernel="auto" if fused else "logits")
     tr = OPSDTrainer(cfg, toy_problems, progress=False)
     tr.step(1)
     reads = []
@@ -162,8 +162,8 @@ def test_training_half_waits_for_the_device_nowhere_on_cuda(tmp_path_factory, to
     from conftest import _tiny_qwen3
     ckpt = _tiny_qwen3(tmp_path_factory, "sync-qwen3", seed=1, initializer_range=0.2, hidden_size=64, head_dim=16)
     cfg = OPSDConfig.toy(model=str(ckpt), run_dir=str(tmp_path / "run"), steps=2, batch_size=8, micro_batch_size=4,
-                         max_completion_length=12, padding="aligned", log_positions=0, dtype="bfloat16", fused=True,
-                         packed=True, rollout="hf")
+                         max_completion_length=12, padding="packed", log_positions=0, dtype="bfloat16",
+                         loss_kernel="auto", rollout="hf")
     tr = OPSDTrainer(cfg, toy_problems, progress=False)
     tr.step(1)                                    # first step: Triton's compiles, lazy allocations
     back = tr.backward_all

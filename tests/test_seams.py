@@ -117,13 +117,13 @@ def solution_comps(tok, problems, idx, cuts=CUTS):
 
 # ---------------------------------------------------------------- 1. fused == full logits
 def test_fused_step_equals_full_logit_step(sharp_ckpt, toy_problems, tmp_path):
-    """fused=True (hidden states + chunked loss, torch kernel, chunks smaller than a micro-batch) equals fused=False
+    """loss_kernel='torch' (hidden states + chunked loss, chunks smaller than a micro-batch) equals 'logits'
     over two steps: the loss, every instrument of the metrics row and the LoRA gradients of both steps. Break that
     made it fail: the fused branch of `forward_loss` reading `b.inputs("student")` for the teacher."""
     rows, grads = {}, {}
     for fused in (False, True):
-        tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / f"f{fused}", fused=fused, fused_kernel="torch",
-                          fused_chunk=7, micro_batch_size=2)
+        tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / f"f{fused}", loss_kernel="torch" if fused else "logits",
+                          loss_chunk=7, micro_batch_size=2)
         vary_lengths(tr)
         g = capture_grads(tr)
         rows[fused] = [numbers(tr.step(s)) for s in (1, 2)]

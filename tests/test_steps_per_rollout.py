@@ -1,4 +1,4 @@
-"""Several steps per rollout (`OPSDConfig.steps_per_rollout`, issue 18): one engine call samples the completions of k
+"""Several steps per rollout (`OPSDConfig.steps_per_rollout`): one engine call samples the completions of k
 steps from the weights before the first of them, and each step trains on its share. 1 is the release (every step
 samples its own; tests/test_regression.py and test_async.py check that against runs recorded before the option).
 

@@ -93,9 +93,9 @@ def test_two_processes_packed_equal_one_padded(tiny_ckpt, reference_run, tmp_pat
     run = tmp_path / "run2p-packed"
     cmd = [venv_bin("accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "opsd.cli"]
-    cmd += train_cmd(tiny_ckpt, run)[1:] + ["replicate_rollout=true", "packed=true"]
+    cmd += train_cmd(tiny_ckpt, run)[1:] + ["replicate_rollout=true", "padding=packed"]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    assert json.loads((run / "config.json").read_text())["packed"] is True
+    assert json.loads((run / "config.json").read_text())["padding"] == "packed"
     assert_rows_close(rows(run), rows(reference_run), rtol=1e-4, atol=1e-6)
 
 

@@ -3,7 +3,8 @@
     python tools/study_toy_bases.py [--bases 0 1 2] [--seeds 3] [--out runs/study-toy-bases]
 
 Runs go to the (ignored) `--out` folder; `python -m opsd.results add toy-clips runs/study-toy-bases ...` copies
-their raw data into the results store. Base 0 is the demo's own base: its folder equals what `opsd demo --clips entry scaled none` writes.
+their raw data into the results store.
+Base 0 is the demo's own base: its folder equals what `opsd demo --clips entry scaled none` writes.
 """
 import argparse, json, time
 from opsd.demo import run_demo

@@ -1,4 +1,4 @@
-"""The SmolLM2 world's calibration on the H200 (issue 16): base student and teacher (shown the reference) accuracy on
+"""The SmolLM2 world's calibration on one GPU: base student and teacher (shown the reference) accuracy on
 the fixed held-out word problems, per difficulty level, greedy and avg@8 at the evaluation sampling, through one vLLM
 engine and `opsd.eval.evaluate` (the one grader, math mode). One JSON line per row. Usage: python3 THIS [n]"""
 import json, sys, time

@@ -1,13 +1,13 @@
-"""Where the training half waits for the device: one packed Liger step of a Qwen3 checkpoint under
+"""Where the training half waits for the device: one step of the `fast` recipe on a Qwen3 checkpoint under
 torch.cuda.set_sync_debug_mode('warn'); prints each synchronizing call's stack once with its count."""
 import sys, collections, traceback, warnings
 import torch
 from opsd.train import OPSDConfig, OPSDTrainer
-from opsd.bench import bench_problems, E2E_COMMON, E2E_VARIANTS
+from opsd.bench import bench_problems, E2E_COMMON
+from opsd.recipes import load_recipe
 model = sys.argv[1]
-over = dict(E2E_VARIANTS["opsd best + liger + packed"]); kernels = over.pop("kernels")
-cfg = OPSDConfig(**{**E2E_COMMON, **over, "model": model, "run_dir": "/tmp/fs/run", "name": "fs", "rollout": "hf",
-                    "batch_size": 8, "micro_batch_size": 4, "max_completion_length": 32, "kernels": kernels, "seed": 0})
+cfg = OPSDConfig(**{**E2E_COMMON, **load_recipe("fast"), "model": model, "run_dir": "/tmp/fs/run", "name": "fs",
+                    "rollout": "hf", "batch_size": 8, "micro_batch_size": 4, "max_completion_length": 32, "seed": 0})
 tr = OPSDTrainer(cfg, bench_problems(16), model_path=model, progress=False)
 tr.step(1)
 seen = collections.Counter(); first = {}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The SmolLM2 world on one H200 (issues 16 and 18), after the carried sets are unpacked into /tmp/site
-# (../shared/tools/gpu-pieces vllm opsd smollm2; see README.md here). Usage: bash tools/gpu/smollm2.sh PHASE
+# The SmolLM2 world on one GPU machine, after the carried sets (vllm, opsd, smollm2) are unpacked into /tmp/site
+# (see README.md here). Usage: bash tools/gpu/smollm2.sh PHASE
 #   tests   convert the GGUF once (opsd.smollm2.smollm2_base), calibration (calibrate_smollm2.py), the real-weights
 #           vLLM == HF test, the sampler-stall
 #           test, and the same stall measurement with the warm-up switched off (the deliberate break)

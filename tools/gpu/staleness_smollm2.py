@@ -1,8 +1,8 @@
-"""Issue 18: what staleness costs on the real model, SmolLM2-135M-Instruct, on one GPU: one step of it
+"""What staleness costs on the real model, SmolLM2-135M-Instruct, on one GPU: one step of it
 (`async_rollout`, the arm `async`), a group of k steps sampled at once (`steps_per_rollout`, the arms `k2`, `k4`), or
 the two together (`k4async`: a group of 4 sampled beside the previous group's training, mean age about 2.5; the
-bench's fastest row). The arms `entry` and `none` instead train the release's synchronous step with that clip (finding
-2's greedy accuracy against `scaled`, paired by seed, in the same engine).
+schedule of the `fast-offpolicy` recipe). The arms `entry` and `none` instead train the release's synchronous step
+with that clip (finding 2's greedy accuracy against `scaled`, paired by seed, in the same engine).
 
 The demo's SmolLM2 recipe (the world preset: 50 steps of 32 completions, scaled clip), synchronous against each arm,
 over seeds, every run through `opsd.demo.run_world_jobs` (the trainer's own step) with one shared vLLM engine; then a greedy
