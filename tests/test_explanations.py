@@ -1,6 +1,6 @@
 """The explanation notebooks reproduce themselves from the results store.
 
-Each explanation notebook except `findings` reads only `results/` (through `opsd.results`). Here every one of them is
+Each explanation notebook, `findings` included, reads only `results/` (through `opsd.results`). Here every one is
 run top to bottom in one in-process shell (execnb, as nbdev_test runs notebooks; cells flagged slow/gpu/vllm skipped,
 as nbdev_test skips them), and the text it prints is compared with the text saved in the notebook: a change of the
 store, of `opsd.results` or of a notebook's code that changes a printed number fails here, naming the cell. Figures
@@ -16,26 +16,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "nbs" / "explanations"
-NOTEBOOKS = {"async_rollout": "smollm2-offpolicy", "clip_analysis": "toy-clips", "kl_drift": "toy-clips",
+NOTEBOOKS = {"async_rollout": "smollm2-offpolicy", "clip_analysis": "toy-clips", "kl_drift": "toy-clips", "findings": "toy-clips",
              "padding_gap": "toy-padding", "steps_per_rollout": "toy-steps-per-rollout"}
 SKIP = re.compile(r"^\s*#\|\s*(slow|gpu|vllm)\b", re.M)
 
 
 def _text(outputs: list) -> list[str]:
-    "The text of a cell's outputs: streams and text/plain results of outputs that hold no image."
+    "The text of a cell's outputs: streams, and the markdown (else plain) text of results that hold no image."
     out = []
     for o in outputs:
         if o.get("output_type") == "stream":
             out.append("".join(o["text"]))
         elif o.get("output_type") in ("execute_result", "display_data"):
             d = o.get("data", {})
-            if "text/plain" in d and not any(k.startswith("image/") or "json" in k for k in d):
-                out.append("".join(d["text/plain"]))
+            if any(k.startswith("image/") or "json" in k for k in d): continue
+            if "text/markdown" in d: out.append("".join(d["text/markdown"]))   # a verdict table (findings)
+            elif "text/plain" in d: out.append("".join(d["text/plain"]))
     return ["".join(out)] if out else []
 
 
 def test_every_explanation_is_listed():
-    assert sorted(p.stem for p in FOLDER.glob("*.ipynb") if p.stem != "findings") == sorted(NOTEBOOKS)
+    assert sorted(p.stem for p in FOLDER.glob("*.ipynb")) == sorted(NOTEBOOKS)
 
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))

@@ -1,7 +1,8 @@
-"""Every number the README and `explanations/findings` quote is recomputed from the results store (`opsd.results`).
+"""Every number the README quotes is recomputed from the results store (`opsd.results`); `findings` and the other
+explanation notebooks are re-run against their saved outputs in `tests/test_explanations.py`.
 
 Each test names the break it catches: a number edited by hand in the README, a measurement typed into its prose, a
-saved notebook output that the store no longer gives, a study whose manifest row does not describe its runs."""
+study whose manifest row does not describe its runs."""
 import contextlib, io, json, re
 
 import polars as pl
@@ -71,32 +72,3 @@ def test_manifest_describes_every_study():
         seeds = sorted({json.loads((r / "config.json").read_text())["seed"] for r in runs})
         assert seeds == row["seeds"], row["study"]
         assert row["command"] and row["commit"] and row["date"] and row["machine"], row["study"]
-
-
-def _text_outputs(nb: dict) -> list[list[str]]:
-    "Per code cell: its stream text and its text results (markdown or plain), figures' images left out."
-    out = []
-    for c in nb["cells"]:
-        if c["cell_type"] != "code": continue
-        texts = []
-        for o in c.get("outputs", []):
-            if o.get("output_type") == "stream": texts.append("".join(o["text"]))
-            elif "data" in o and "image/png" not in o["data"]:
-                d = o["data"]
-                texts.append("".join(d.get("text/markdown") or d.get("text/plain") or ""))
-        out.append([t.strip() for t in texts if t.strip()])
-    return out
-
-
-@pytest.mark.parametrize("path", ["nbs/explanations/findings.ipynb", "nbs/index.ipynb"])
-def test_notebook_reproduces_its_saved_outputs(path, tmp_path, monkeypatch):
-    "Catches a saved output (a verdict, a table) that the store no longer gives, and a notebook reading `runs/`."
-    from execnb.nbio import read_nb
-    from execnb.shell import CaptureShell
-    nb_path = ROOT / path
-    saved = json.loads(nb_path.read_text())
-    monkeypatch.chdir(nb_path.parent)
-    nb = read_nb(nb_path)
-    CaptureShell().run_all(nb, exc_stop=True)
-    fresh = json.loads(json.dumps(nb, default=dict))
-    assert _text_outputs(fresh) == _text_outputs(saved)
