@@ -33,6 +33,7 @@ class Overlap:
 
     def run(self, work, # () -> result: the training half
             alongside=None, # () -> anything: the rollout to run beside it (None: `work` runs here, in this thread)
+            what: str = "the training half", # named in the error raised when `work` fails in the thread
            ) -> Ran:
         "`work()` (beside `alongside()` when given); an error of either is raised after both have finished."
         if alongside is None:
@@ -64,5 +65,5 @@ class Overlap:
                 th.join()
                 if cuda: torch.cuda.current_stream(self.device).wait_stream(self.stream)
         finally: sys.setswitchinterval(switch)
-        if "error" in box: raise RuntimeError("the training half failed (in the overlap thread)") from box["error"]
+        if "error" in box: raise RuntimeError(f"{what} failed (in the overlap thread)") from box["error"]
         return Ran(box["out"], timed["w"], timed["a"])

@@ -648,7 +648,8 @@ def step(self: OPSDTrainer, step: int) -> dict:
     samples = self.sample(plan)
     _sync(dev); t1 = time.perf_counter()
     nxt = self.next_rollout(step)
-    ran = self.overlap.run(lambda: self.train_half(plan, samples), nxt and (lambda: self.run_pending(nxt)))
+    ran = self.overlap.run(lambda: self.train_half(plan, samples), nxt and (lambda: self.run_pending(nxt)),
+                           what=f"the training half of step {step}")
     _sync(dev); t2 = time.perf_counter()
     if nxt is not None: self._pending = nxt
     if self.engine_samples_next(step): self.sync()
