@@ -67,11 +67,13 @@ EQUALS = [n for n in RECIPES if read_recipe(n)[1] is not None]
 def test_recipe_step_equals_what_it_declares(name, eager, sharp_ckpt, toy_problems, tmp_path):
     """Two steps of the recipe against two steps of the config its `equals` names (fast: released with aligned
     padding), both from the toy preset, completions of varied lengths: loss, true KL, clip fraction, gradient norm,
-    token count and the adapter after two updates. With eager decoder layers (`decoder_kernels='none'`, a minute) the
+    token count and the adapter after two updates. With eager decoder layers (`decoder_kernels='none'`, seconds) the
     rest of the recipe (packing, length grouping, micro-batches of 8, the chunked loss, fused LoRA, no checkpointing)
     equals it to float64 rounding (1e-16 measured; asserted at 1e-12). As written, with `torch.compile`d layers
-    (Inductor's C++ backend; most of the time is compiling), to 1e-6: Inductor's float64 code differs from eager by
-    about 1e-7 relative (loss 0.63898730 against 0.63898735 at step 1). Break tried once, on the eager case: `pack`
+    (Inductor's C++ backend; most of the time is compiling), metrics to 1e-6 and the adapter to 1e-4 absolute:
+    Inductor's float64 code differs from eager by about 1e-7 relative (loss 0.63898730 against 0.63898735 at step 1),
+    and Adam's per-entry normalisation turns that into up to 2e-6 on an adapter entry whose gradient is near zero
+    (the metrics' 1e-6 is the sharp check of the compiled case). Break tried once, on the eager case: `pack`
     reading the completion logits one position late (`W - L:W`): loss 0.5791 against 0.6390, and it failed."""
     b = base(sharp_ckpt, tmp_path / "r")
     mine = recipe_config(name, b, **(dict(decoder_kernels="none") if eager else {}))
@@ -88,8 +90,8 @@ def test_recipe_step_equals_what_it_declares(name, eager, sharp_ckpt, toy_proble
         for k in ("loss", "kl/true", "entry/argmax_clipped_frac", "grad_norm"):
             assert g[k] == pytest.approx(a[k], rel=rel, abs=1e-12), k
     assert ref_rows[0]["grad_norm"] > 0
-    for k, v in ref_w.items():
-        torch.testing.assert_close(got_w[k], v, rtol=rel, atol=1e-12)
+    for k, v in ref_w.items():   # compiled: Adam's per-entry normalisation amplifies the gradients' 1e-7 differences
+        torch.testing.assert_close(got_w[k], v, rtol=rel if eager else 1e-3, atol=1e-12 if eager else 1e-4)
 
 
 def test_cli_train_recipe_fast_offpolicy_runs_on_cpu(tiny_ckpt, toy_data_file, tmp_path):
