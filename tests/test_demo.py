@@ -7,12 +7,9 @@ import math
 import numpy as np
 import polars as pl
 import pytest
-import torch
 
 from opsd import demo
 from opsd.plots import seed_interval
-
-torch.set_num_threads(1)
 
 SMALL_TOY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16, sft_steps=20, warmup_steps=2, batch_size=8, n_eval=0,

@@ -224,8 +224,6 @@ import torch
 
 from opsd.eval import EVAL_COLUMNS, eval_runs, evaluate, sweep_checkpoints
 
-torch.set_num_threads(2)
-
 
 @pytest.fixture(scope="module")
 def tiny():

@@ -24,8 +24,6 @@ from opsd.train import OPSDConfig, OPSDTrainer
 pytestmark = [pytest.mark.filterwarnings("ignore:Seems like `optimizer.step:UserWarning"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
 
-torch.set_num_threads(1)  # a fixed thread count: float64 reductions are then reproducible run to run
-
 DATA = Path(__file__).parent / "data"
 CUTS = (3, 10, 6, 1, 8, 2, 10, 5)  # per-row completion lengths (the random sampler never stops by itself in 10 tokens)
 
