@@ -108,7 +108,7 @@ def test_toy_demo_config_is_unchanged():
 
 
 def test_demo_recipe_holds_no_config_fields():
-    "DemoRecipe holds OPSDConfig overrides in one dict, not copies of the config's fields (issue 17)."
+    "DemoRecipe holds OPSDConfig overrides in one dict, not copies of the config's fields."
     import dataclasses
     from opsd.train import OPSDConfig
     mine = {f.name for f in dataclasses.fields(demo.DemoRecipe)}

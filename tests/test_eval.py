@@ -83,7 +83,7 @@ def test_grade_exact_mode():
 
 
 def test_grade_completion():
-    # the one grader: the last box of the completion against the answer (issue 10: \boxed{07} vs "7", \boxed 7)
+    # the one grader: the last box of the completion against the answer (\boxed{07} vs "7", \boxed 7)
     assert grade(r"so \boxed{07}.", "7", "exact") and grade(r"\boxed 7", "7", "exact")
     assert grade(r"first \boxed{3}, then \boxed{7}", "7", "exact")
     assert not grade(r"\boxed{7} but cut off \boxed{8", "7", "exact")  # the last box is unclosed: no answer

@@ -1,4 +1,4 @@
-"""A reference test at each seam of one OPSD step (issue 17): every check compares the trainer with the same quantity
+"""A reference test at each seam of one OPSD step: every check compares the trainer with the same quantity
 built another way (a fresh `from_pretrained`, a hand-built layout, the loss formula, a peft merge, an uninterrupted
 run, a stored answer key). Each docstring names the deliberate break that was made once in a working copy and made
 the test fail.
