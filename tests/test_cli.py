@@ -157,13 +157,7 @@ def test_eval_smollm2_run(smollm2_run):
     assert ev.group_by("key_temperature").len().sort("key_temperature").rows() == [(0.0, 4), (1.0, 4)]
 
 
-def test_demo_on_a_path_world_from_the_command_line(tiny_ckpt, toy_data_file, tmp_path):
-    "`opsd demo --model PATH --data FILE`: runs in sequence with one engine, into runs/demo-<name> style folders."
-    out = tmp_path / "d"
-    _, stdout, _ = run("demo", "--model", tiny_ckpt, "--data", toy_data_file, "--seeds", "2", "--clips", "entry",
-                       "--steps", "1", "--n-eval", "4", "--k", "1", "--out", out, "--no-png", "--set", "batch_size=2",
-                       "micro_batch_size=2", "max_completion_length=8", "dtype=float32", "lora_r=2")
-    assert "in sequence, one rollout engine" in stdout and "tiny-qwen3-entry-s1: train" in stdout
-    assert pl.read_csv(out / "summary.csv").height >= 1 and (out / "report-tiny-qwen3" / "index.html").exists()
+def test_quick_is_for_the_toy_only():
+    "`opsd demo --quick` of another world is refused before any work (the path world's demo: tests/test_demo.py)."
     code, _, err = run("demo", "--model", "smollm2", "--quick", check=False)
     assert code == 2 and "--quick" in err

@@ -8,6 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+from conftest import opsd_main
 from opsd import demo
 from opsd.plots import seed_interval
 
@@ -125,34 +126,40 @@ def test_demo_recipe_holds_no_config_fields():
 
 @pytest.fixture(scope="module")
 def world_demo(tiny_ckpt, toy_data_file, tmp_path_factory):
+    "`opsd demo --model PATH --data FILE` in this process (conftest.opsd_main), counting the rollout engines it makes."
     import opsd.rollout
     import opsd.train
     out = tmp_path_factory.mktemp("wdemo") / "demo"
-    made = []
-    real = opsd.rollout.make_rollout
+    made, results = [], []
+    real, real_demo = opsd.rollout.make_rollout, demo.run_demo
     mp = pytest.MonkeyPatch()
     spy = lambda *a, **k: made.append(a[0]) or real(*a, **k)  # a counting spy: every engine made, wherever
     mp.setattr(opsd.rollout, "make_rollout", spy)
     mp.setattr(opsd.train, "make_rollout", spy)  # the trainer's own engine factory (imported by name)
-    recipe = demo.DemoRecipe(dict(steps=2, batch_size=4, micro_batch_size=4, save_every=1, lora_r=4, lora_alpha=8,
-                                  max_completion_length=12, log_positions=4, dtype="float32", rollout="hf", lr=1e-2),
-                             n_eval=6, k=1)
-    res = demo.run_demo(out, clips=("entry", "none"), seeds=2, recipe=recipe, world=str(tiny_ckpt),
-                        data=str(toy_data_file), report=False, png=False, progress=False)
-    mp.undo()
-    return out, res, made
+    mp.setattr(demo, "run_demo", lambda *a, **k: results.append(real_demo(*a, **k)) or results[-1])  # keeps its return
+    try:
+        code, stdout, err = opsd_main(
+            "demo", "--model", tiny_ckpt, "--data", toy_data_file, "--seeds", 2, "--clips", "entry", "none", "--steps", 2,
+            "--n-eval", 6, "--k", 1, "--out", out, "--no-png", "--set", "batch_size=4", "micro_batch_size=4", "lora_r=4",
+            "lora_alpha=8", "max_completion_length=12", "log_positions=4", "dtype=float32", "rollout=hf", "lr=0.01")
+    finally:
+        mp.undo()
+    assert code == 0, err[-3000:]
+    return out, results[0], made, stdout
 
 
 def test_world_demo_shares_one_engine(world_demo, tiny_ckpt):
     "Break: run_world_jobs not passing rollout=engine to the trainers (each builds its own) -> 4 engines, not 1."
-    out, res, made = world_demo
+    out, res, made, stdout = world_demo
     assert made == ["hf"]  # one engine for 4 runs and their evaluations
     names = sorted(d.name for d in out.iterdir() if (d / "config.json").exists())
     assert names == ["tiny-qwen3-entry-s0", "tiny-qwen3-entry-s1", "tiny-qwen3-none-s0", "tiny-qwen3-none-s1"]
+    assert "in sequence, one rollout engine" in stdout and "tiny-qwen3-entry-s1: train" in stdout
     m, ev, _ = demo.demo_frames(out)
     assert set(m["teacher"]) == {"tiny-qwen3"} and sorted(ev["step"].unique().to_list()) == [0, 1, 2]
     assert res["effects"].height == 4 and {t["name"] for t in res["timing"]} == set(names)
     assert all(t["train_s"] > 0 and t["eval_s"] > 0 for t in res["timing"])
+    assert pl.read_csv(out / "summary.csv").height >= 1 and (out / "report-tiny-qwen3" / "index.html").exists()
 
 
 def test_world_demo_evaluates_with_the_worlds_sampling(tiny_ckpt, toy_data_file, tmp_path, monkeypatch):
@@ -181,7 +188,7 @@ def test_world_demo_runs_equal_runs_on_their_own(world_demo, tiny_ckpt, toy_data
     from opsd.eval import eval_runs, default_eval_sampling
     from opsd.train import OPSDConfig, OPSDTrainer
     from opsd.worlds import resolve_world
-    out, res, _ = world_demo
+    out, res, _, _ = world_demo
     rd = out / "tiny-qwen3-none-s1"
     cfg = OPSDConfig.from_dict({**json.loads((rd / "config.json").read_text()), "run_dir": str(tmp_path / "alone")})
     w = resolve_world(str(tiny_ckpt), data=str(toy_data_file))
