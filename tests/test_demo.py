@@ -19,14 +19,31 @@ SMALL_TOY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_
 
 @pytest.fixture(scope="module")
 def tiny_demo(tmp_path_factory):
+    "The reduced demo of nbs/10b_demo (run here, not in the notebook), counting this process's hashes of base weights."
+    import opsd.repro
     root = tmp_path_factory.mktemp("demo")
     mp = pytest.MonkeyPatch()
     mp.setenv("XDG_CACHE_HOME", str(root / "cache"))  # the toy base cache of this test only
+    hashed, hash_of = [], opsd.repro._hash_weights
+    mp.setattr(opsd.repro, "_hash_weights", lambda files: hashed.append(files[0].parent.name) or hash_of(files))
     recipe = demo.DemoRecipe(dict(steps=2, batch_size=4, save_every=1, log_positions=4), n_eval=8, k=2)
-    res = demo.run_demo(root / "demo", clips=("entry", "none"), seeds=2, recipe=recipe, workers=2, toy=SMALL_TOY,
-                        report=True, png=False, max_completion_length=16)
-    yield root / "demo", res
-    mp.undo()
+    try:
+        res = demo.run_demo(root / "demo", clips=("entry", "none"), seeds=2, recipe=recipe, workers=2, toy=SMALL_TOY,
+                            report=True, png=False, max_completion_length=16)
+    finally:
+        mp.undo()
+    yield root / "demo", dict(res, hashed=hashed, cache=root / "cache")
+
+
+def test_demo_hashes_its_base_once(tiny_demo, monkeypatch):
+    """The new toy base is hashed once in this process, and the fingerprint demo.json records is its build's.
+    Break that made it fail: run_demo hashing the base again (2)."""
+    from opsd.toy import toy_base_path, toy_build_info, toy_config
+    out, res = tiny_demo
+    monkeypatch.setenv("XDG_CACHE_HOME", str(res["cache"]))
+    base = toy_base_path(toy_config("soft", **SMALL_TOY), "soft")
+    assert res["hashed"].count(base.name) == 1
+    assert json.loads((out / "demo.json").read_text())["toy_bases"] == {"soft": toy_build_info(base)["fingerprint"]}
 
 
 def test_demo_writes_every_seed_and_cell(tiny_demo):
@@ -157,6 +174,8 @@ def test_world_demo_shares_one_engine(world_demo, tiny_ckpt):
     assert "in sequence, one rollout engine" in stdout and "tiny-qwen3-entry-s1: train" in stdout
     m, ev, _ = demo.demo_frames(out)
     assert set(m["teacher"]) == {"tiny-qwen3"} and sorted(ev["step"].unique().to_list()) == [0, 1, 2]
+    s0 = ev.filter(pl.col("step") == 0).sort("run", "problem_id")  # every run starts from the same base
+    assert len({tuple(g["pred"].to_list()) for _, g in s0.group_by("run")}) == 1
     assert res["effects"].height == 4 and {t["name"] for t in res["timing"]} == set(names)
     assert all(t["train_s"] > 0 and t["eval_s"] > 0 for t in res["timing"])
     assert pl.read_csv(out / "summary.csv").height >= 1 and (out / "report-tiny-qwen3" / "index.html").exists()
