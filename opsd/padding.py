@@ -235,7 +235,7 @@ def gap_perturbation(model, # causal LM
         model.train(was_training)
 
 # %% ../nbs/05c_padding.ipynb #5b5b4801
-# SPEC finding 4 and the tiny prototype; replay_fa2_first_kl: issue 8, an independent FA2 replay on the toy
+# SPEC finding 4 and the tiny prototype; replay_fa2_first_kl: an independent FA2 replay on the toy
 RELEASED_PADDING = dict(released_kl=0.059, aligned_kl=0.0004, signal_kl=0.105, mean_gap=292.0,
                         tiny_released_kl=2.06, tiny_aligned_kl=5e-12, tiny_argmax_agree=0.79,
                         replay_fa2_first_kl=4.5)

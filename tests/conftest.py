@@ -56,6 +56,19 @@ def venv_bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
+def opsd_main(*args) -> tuple[int, str, str]:
+    """`opsd ARGS` run in this process through `opsd.cli.main` (the console script's function: the real parser, checks
+    and commands): (exit code, stdout, stderr); the code is 0 when main returns. A test that needs the process boundary
+    itself (the installed entry point, a signal, a fresh interpreter) runs `venv_bin("opsd")` instead."""
+    import contextlib, io
+    from opsd.cli import main
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try: assert main([str(a) for a in args]) is None  # sys.exit(main()) would print a returned value and exit 1
+        except SystemExit as e: code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return code, out.getvalue(), err.getvalue()
+
+
 @pytest.fixture(scope="session")
 def toy_data_file(toy_problems, tmp_path_factory) -> Path:
     "The toy problems as a jsonl file (what a user passes with --data)."
@@ -64,6 +77,14 @@ def toy_data_file(toy_problems, tmp_path_factory) -> Path:
     keys = ("problem", "solution", "answer")
     path.write_text("".join(json.dumps({k: p[k] for k in keys}) + "\n" for p in toy_problems))
     return path
+
+
+def pytest_collection_finish(session):
+    """Every test starts with one torch thread, whichever test files were collected (a module's own
+    `torch.set_num_threads` at import would otherwise set it for all tests, the last imported winning): the tiny models
+    here are fastest on one thread, a fixed count keeps float reductions the same run to run, and two threads on a
+    shared 2-core machine wait on each other. Subprocesses keep their own defaults."""
+    torch.set_num_threads(1)
 
 
 def pytest_configure(config):

@@ -1,41 +1,43 @@
-"The command line: help, errors, `opsd padding`, and a reduced `opsd demo` whose saved numbers must be consistent."
+"""The command line: help, errors, `opsd padding`, and a reduced `opsd demo` whose saved numbers must be consistent.
+
+Every command runs in this process through `opsd.cli.main` (conftest.opsd_main: the real parser, checks and commands,
+without a fresh interpreter's seconds of importing torch); `test_console_script_exit_code` runs the installed `opsd`
+entry point once, where the process boundary (its exit code and stderr) is what is checked."""
 import json, subprocess
 
 import polars as pl
 import pytest
 
-from conftest import venv_bin
-
-OPSD = venv_bin("opsd")
+from conftest import opsd_main, venv_bin
 
 
-def run(*args, check=True, **kw):
-    return subprocess.run([OPSD, *map(str, args)], capture_output=True, text=True, check=check, timeout=1800, **kw)
+def run(*args, check=True):
+    "`opsd ARGS` in this process: (exit code, stdout, stderr); with check, a non-zero code fails the test."
+    code, out, err = opsd_main(*args)
+    if check: assert code == 0, err[-3000:]
+    return code, out, err
 
 
 @pytest.mark.parametrize("cmd", ["demo", "train", "eval", "report", "padding", "analyze"])
 def test_help(cmd):
-    out = run(cmd, "--help").stdout
-    assert "usage: opsd " + cmd in out
+    code, out, _ = run(cmd, "--help", check=False)
+    assert code == 0 and "usage: opsd " + cmd in out
 
 
-def test_bad_input_is_a_clear_error(tiny_ckpt, tmp_path):
-    r = run("train", "--model", tiny_ckpt, "--run-dir", tmp_path / "r", check=False)
-    assert r.returncode == 2 and "--data is required" in r.stderr
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"problem": "1+1", "solution": "\\\\boxed{2}", "answer": "2"}\n'
-                   '{"problem": "", "solution": "x", "answer": "1"}\n')
-    r = run("train", "--model", tiny_ckpt, "--data", bad, "--run-dir", tmp_path / "r", check=False)
-    assert r.returncode == 2 and "line 2" in r.stderr and "problem" in r.stderr, r.stderr
-    r = run("train", "--model", tiny_ckpt, "--set", "learning_rate=3", check=False)
-    assert r.returncode == 2 and "learning_rate" in r.stderr
+def test_console_script_exit_code(tiny_ckpt, tmp_path):
+    """The installed `opsd` script (a fresh process): bad input is exit code 2 and one line `opsd: error: ...` on
+    stderr; other bad inputs, in this process, are the rows of tests/test_inputs.py."""
+    r = subprocess.run([venv_bin("opsd"), "train", "--model", str(tiny_ckpt), "--run-dir", str(tmp_path / "r")],
+                       capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("opsd: error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "--data is required" in lines[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "r").exists()
 
 
-def test_padding_json(tiny_ckpt, toy_problems, tmp_path):
-    data = tmp_path / "p.jsonl"
-    pl.DataFrame([{k: p[k] for k in ("problem", "solution", "answer")} for p in toy_problems]).write_ndjson(data)
-    rep = json.loads(run("padding", "--model", tiny_ckpt, "--data", data, "--n", 8, "--json").stdout)
-    assert rep["n"] == 8
+def test_padding_json(tiny_ckpt, toy_data_file):
+    _, out, _ = run("padding", "--model", tiny_ckpt, "--data", toy_data_file, "--n", 8, "--max-new-tokens", 16, "--json")
+    rep = json.loads(out)
+    assert rep["n"] == 8 and rep["sampling"]["max_new_tokens"] == 16
     sdpa = rep["perturbation"]["sdpa"]
     # aligned: every row equals itself scored alone (float rounding only); released: the pad gap moves the teacher
     assert sdpa["aligned"]["kl_max"] < 1e-9 < sdpa["released"]["kl_mean"]
@@ -44,9 +46,9 @@ def test_padding_json(tiny_ckpt, toy_problems, tmp_path):
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "demo"
-    r = run("demo", "--quick", "--seeds", "2", "--teachers", "soft", "--clips", "entry", "scaled", "none", "--out", out,
-            "--no-png")
-    return out, r.stdout
+    _, stdout, _ = run("demo", "--quick", "--seeds", "2", "--teachers", "soft", "--clips", "entry", "scaled", "none",
+                       "--out", out, "--no-png")
+    return out, stdout
 
 
 def test_quick_demo_outputs_are_consistent(quick_demo):
@@ -116,16 +118,15 @@ def test_train_preset_follows_the_world(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2_run(tmp_path_factory):
     rd = tmp_path_factory.mktemp("smol") / "run"
-    r = run("train", "--model", "smollm2", "--steps", "1", "--batch-size", "2", "--micro-batch-size", "2",
-            "--set", "max_completion_length=16", "log_positions=4", "--run-dir", rd, "--quiet", check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return rd, r
+    run("train", "--model", "smollm2", "--steps", "1", "--batch-size", "2", "--micro-batch-size", "2",
+        "--set", "max_completion_length=16", "log_positions=4", "--run-dir", rd, "--quiet")
+    return rd
 
 
 def test_train_smollm2_on_cpu(smollm2_run):
     "`opsd train --model smollm2 --steps 1` with a small batch runs on CPU with the world's preset."
     from opsd.smollm2 import SMOLLM2_RECIPE
-    rd, r = smollm2_run
+    rd = smollm2_run
     cfg = json.loads((rd / "config.json").read_text())
     assert (cfg["model"], cfg["dtype"], cfg["rollout"], cfg["batch_size"], cfg["max_completion_length"]) == \
         ("smollm2", "float32", "hf", 2, 16)
@@ -142,29 +143,20 @@ def test_eval_smollm2_run(smollm2_run):
     """`opsd eval` of a smollm2 run: the base and step 1 on the world's held-out problems, graded in math mode, greedy
     (the world's evaluation); `--temperature 1.0` evaluates again at the released sampling, as rows of their own.
     Break that made it fail: `cmd_eval` not passing the world's sampling (rows at temperature 1.0 the first time)."""
-    rd, _ = smollm2_run
-    r = run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--quiet", check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
+    rd = smollm2_run
+    run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--quiet")
     ev = pl.read_ndjson(rd / "eval.jsonl")
     assert sorted(ev["step"].unique().to_list()) == [0, 1] and ev.height == 4   # k = 1: the world's default
     assert (ev["key_temperature"].unique().to_list(), ev["key_k"].unique().to_list()) == ([0.0], [1])
     from opsd.smollm2 import word_problems
     want = sorted(str(p["answer"]) for p in word_problems(2, seed=10_000, split="test"))
     assert sorted(ev.filter(pl.col("step") == 0)["answer"].cast(pl.Utf8).to_list()) == want
-    r = run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--temperature", "1.0", "--quiet", check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--temperature", "1.0", "--quiet")
     ev = pl.read_ndjson(rd / "eval.jsonl")
     assert ev.group_by("key_temperature").len().sort("key_temperature").rows() == [(0.0, 4), (1.0, 4)]
 
 
-def test_demo_on_a_path_world_from_the_command_line(tiny_ckpt, toy_data_file, tmp_path):
-    "`opsd demo --model PATH --data FILE`: runs in sequence with one engine, into runs/demo-<name> style folders."
-    out = tmp_path / "d"
-    r = run("demo", "--model", tiny_ckpt, "--data", toy_data_file, "--seeds", "2", "--clips", "entry", "--steps", "1",
-            "--n-eval", "4", "--k", "1", "--out", out, "--no-png", "--set", "batch_size=2", "micro_batch_size=2",
-            "max_completion_length=8", "dtype=float32", "lora_r=2", check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "in sequence, one rollout engine" in r.stdout and "tiny-qwen3-entry-s1: train" in r.stdout
-    assert pl.read_csv(out / "summary.csv").height >= 1 and (out / "report-tiny-qwen3" / "index.html").exists()
-    r = run("demo", "--model", "smollm2", "--quick", check=False)
-    assert r.returncode == 2 and "--quick" in r.stderr
+def test_quick_is_for_the_toy_only():
+    "`opsd demo --quick` of another world is refused before any work (the path world's demo: tests/test_demo.py)."
+    code, _, err = run("demo", "--model", "smollm2", "--quick", check=False)
+    assert code == 2 and "--quick" in err

@@ -23,7 +23,6 @@ from opsd.collate import (
     trim_at_eos,
 )
 
-torch.set_num_threads(2)
 V = 301  # odd vocabulary
 
 

@@ -1,4 +1,4 @@
-"""Crash safety, tested by killing real processes (issue 19): `kill -9` between checkpoints, during a checkpoint write
+"""Crash safety, tested by killing real processes: `kill -9` between checkpoints, during a checkpoint write
 and before the first checkpoint, a real full disk (a file size limit) while writing a checkpoint or a metrics row, and
 two processes on one run folder. After each, the same command again must give what an uninterrupted run of the same
 seed gives: the same metrics and position rows (no row twice, none torn) and the same final adapter, bit for bit.

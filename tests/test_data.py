@@ -330,7 +330,7 @@ def test_last_boxed():
     assert last_boxed("a \\boxed{1} b \\boxed{2}") == "2"
     assert last_boxed("\\boxed{\\frac{a}{b}}") == "\\frac{a}{b}"
     assert last_boxed("\\boxed{") is None and last_boxed("") is None
-    # the one extractor (issue 10): the brace-less form, \fbox, no fallback past a cut-off last box
+    # the one extractor: the brace-less form, \fbox, no fallback past a cut-off last box
     assert last_boxed("\\boxed 7") == "7" and last_boxed("\\fbox{x}") == "x"
     assert last_boxed("\\boxed{1} then \\boxed{2") is None and last_boxed(None) is None
 

@@ -7,12 +7,10 @@ import math
 import numpy as np
 import polars as pl
 import pytest
-import torch
 
+from conftest import opsd_main
 from opsd import demo
 from opsd.plots import seed_interval
-
-torch.set_num_threads(1)
 
 SMALL_TOY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16, sft_steps=20, warmup_steps=2, batch_size=8, n_eval=0,
@@ -21,14 +19,31 @@ SMALL_TOY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_
 
 @pytest.fixture(scope="module")
 def tiny_demo(tmp_path_factory):
+    "The reduced demo of nbs/10b_demo (run here, not in the notebook), counting this process's hashes of base weights."
+    import opsd.repro
     root = tmp_path_factory.mktemp("demo")
     mp = pytest.MonkeyPatch()
     mp.setenv("XDG_CACHE_HOME", str(root / "cache"))  # the toy base cache of this test only
+    hashed, hash_of = [], opsd.repro._hash_weights
+    mp.setattr(opsd.repro, "_hash_weights", lambda files: hashed.append(files[0].parent.name) or hash_of(files))
     recipe = demo.DemoRecipe(dict(steps=2, batch_size=4, save_every=1, log_positions=4), n_eval=8, k=2)
-    res = demo.run_demo(root / "demo", clips=("entry", "none"), seeds=2, recipe=recipe, workers=2, toy=SMALL_TOY,
-                        report=True, png=False, max_completion_length=16)
-    yield root / "demo", res
-    mp.undo()
+    try:
+        res = demo.run_demo(root / "demo", clips=("entry", "none"), seeds=2, recipe=recipe, workers=2, toy=SMALL_TOY,
+                            report=True, png=False, max_completion_length=16)
+    finally:
+        mp.undo()
+    yield root / "demo", dict(res, hashed=hashed, cache=root / "cache")
+
+
+def test_demo_hashes_its_base_once(tiny_demo, monkeypatch):
+    """The new toy base is hashed once in this process, and the fingerprint demo.json records is its build's.
+    Break that made it fail: run_demo hashing the base again (2)."""
+    from opsd.toy import toy_base_path, toy_build_info, toy_config
+    out, res = tiny_demo
+    monkeypatch.setenv("XDG_CACHE_HOME", str(res["cache"]))
+    base = toy_base_path(toy_config("soft", **SMALL_TOY), "soft")
+    assert res["hashed"].count(base.name) == 1
+    assert json.loads((out / "demo.json").read_text())["toy_bases"] == {"soft": toy_build_info(base)["fingerprint"]}
 
 
 def test_demo_writes_every_seed_and_cell(tiny_demo):
@@ -111,7 +126,7 @@ def test_toy_demo_config_is_unchanged():
 
 
 def test_demo_recipe_holds_no_config_fields():
-    "DemoRecipe holds OPSDConfig overrides in one dict, not copies of the config's fields (issue 17)."
+    "DemoRecipe holds OPSDConfig overrides in one dict, not copies of the config's fields."
     import dataclasses
     from opsd.train import OPSDConfig
     mine = {f.name for f in dataclasses.fields(demo.DemoRecipe)}
@@ -128,34 +143,42 @@ def test_demo_recipe_holds_no_config_fields():
 
 @pytest.fixture(scope="module")
 def world_demo(tiny_ckpt, toy_data_file, tmp_path_factory):
+    "`opsd demo --model PATH --data FILE` in this process (conftest.opsd_main), counting the rollout engines it makes."
     import opsd.rollout
     import opsd.train
     out = tmp_path_factory.mktemp("wdemo") / "demo"
-    made = []
-    real = opsd.rollout.make_rollout
+    made, results = [], []
+    real, real_demo = opsd.rollout.make_rollout, demo.run_demo
     mp = pytest.MonkeyPatch()
     spy = lambda *a, **k: made.append(a[0]) or real(*a, **k)  # a counting spy: every engine made, wherever
     mp.setattr(opsd.rollout, "make_rollout", spy)
     mp.setattr(opsd.train, "make_rollout", spy)  # the trainer's own engine factory (imported by name)
-    recipe = demo.DemoRecipe(dict(steps=2, batch_size=4, micro_batch_size=4, save_every=1, lora_r=4, lora_alpha=8,
-                                  max_completion_length=12, log_positions=4, dtype="float32", rollout="hf", lr=1e-2),
-                             n_eval=6, k=1)
-    res = demo.run_demo(out, clips=("entry", "none"), seeds=2, recipe=recipe, world=str(tiny_ckpt),
-                        data=str(toy_data_file), report=False, png=False, progress=False)
-    mp.undo()
-    return out, res, made
+    mp.setattr(demo, "run_demo", lambda *a, **k: results.append(real_demo(*a, **k)) or results[-1])  # keeps its return
+    try:
+        code, stdout, err = opsd_main(
+            "demo", "--model", tiny_ckpt, "--data", toy_data_file, "--seeds", 2, "--clips", "entry", "none", "--steps", 2,
+            "--n-eval", 6, "--k", 1, "--out", out, "--no-png", "--set", "batch_size=4", "micro_batch_size=4", "lora_r=4",
+            "lora_alpha=8", "max_completion_length=12", "log_positions=4", "dtype=float32", "rollout=hf", "lr=0.01")
+    finally:
+        mp.undo()
+    assert code == 0, err[-3000:]
+    return out, results[0], made, stdout
 
 
 def test_world_demo_shares_one_engine(world_demo, tiny_ckpt):
     "Break: run_world_jobs not passing rollout=engine to the trainers (each builds its own) -> 4 engines, not 1."
-    out, res, made = world_demo
+    out, res, made, stdout = world_demo
     assert made == ["hf"]  # one engine for 4 runs and their evaluations
     names = sorted(d.name for d in out.iterdir() if (d / "config.json").exists())
     assert names == ["tiny-qwen3-entry-s0", "tiny-qwen3-entry-s1", "tiny-qwen3-none-s0", "tiny-qwen3-none-s1"]
+    assert "in sequence, one rollout engine" in stdout and "tiny-qwen3-entry-s1: train" in stdout
     m, ev, _ = demo.demo_frames(out)
     assert set(m["teacher"]) == {"tiny-qwen3"} and sorted(ev["step"].unique().to_list()) == [0, 1, 2]
+    s0 = ev.filter(pl.col("step") == 0).sort("run", "problem_id")  # every run starts from the same base
+    assert len({tuple(g["pred"].to_list()) for _, g in s0.group_by("run")}) == 1
     assert res["effects"].height == 4 and {t["name"] for t in res["timing"]} == set(names)
     assert all(t["train_s"] > 0 and t["eval_s"] > 0 for t in res["timing"])
+    assert pl.read_csv(out / "summary.csv").height >= 1 and (out / "report-tiny-qwen3" / "index.html").exists()
 
 
 def test_world_demo_evaluates_with_the_worlds_sampling(tiny_ckpt, toy_data_file, tmp_path, monkeypatch):
@@ -184,7 +207,7 @@ def test_world_demo_runs_equal_runs_on_their_own(world_demo, tiny_ckpt, toy_data
     from opsd.eval import eval_runs, default_eval_sampling
     from opsd.train import OPSDConfig, OPSDTrainer
     from opsd.worlds import resolve_world
-    out, res, _ = world_demo
+    out, res, _, _ = world_demo
     rd = out / "tiny-qwen3-none-s1"
     cfg = OPSDConfig.from_dict({**json.loads((rd / "config.json").read_text()), "run_dir": str(tmp_path / "alone")})
     w = resolve_world(str(tiny_ckpt), data=str(toy_data_file))

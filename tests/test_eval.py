@@ -83,7 +83,7 @@ def test_grade_exact_mode():
 
 
 def test_grade_completion():
-    # the one grader: the last box of the completion against the answer (issue 10: \boxed{07} vs "7", \boxed 7)
+    # the one grader: the last box of the completion against the answer (\boxed{07} vs "7", \boxed 7)
     assert grade(r"so \boxed{07}.", "7", "exact") and grade(r"\boxed 7", "7", "exact")
     assert grade(r"first \boxed{3}, then \boxed{7}", "7", "exact")
     assert not grade(r"\boxed{7} but cut off \boxed{8", "7", "exact")  # the last box is unclosed: no answer
@@ -224,18 +224,16 @@ import torch
 
 from opsd.eval import EVAL_COLUMNS, eval_runs, evaluate, sweep_checkpoints
 
-torch.set_num_threads(2)
-
 
 @pytest.fixture(scope="module")
 def tiny():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from opsd.data import qwen3_tokenizer
+    from opsd.toy import toy_tokenizer
 
-    tok = qwen3_tokenizer()
+    tok = toy_tokenizer()  # the evaluation's claims hold for any tokenizer; a 363-entry vocabulary keeps it quick
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
                       tie_word_embeddings=True,
                       initializer_range=0.5)  # a wide init: varied (non-degenerate) completions

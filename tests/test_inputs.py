@@ -1,4 +1,4 @@
-"""Every bad input of issue 19 through the real `opsd` command, in one table: input -> exit code 2 and one line
+"""Every bad input through the real `opsd` command, in one table: input -> exit code 2 and one line
 `opsd: error: <message>` naming the field, file or folder, and nothing already written changed.
 
 Each row runs `opsd.cli.main(argv)` in this process (the real parser, checks and commands) against a copy of a real run

@@ -249,7 +249,7 @@ def test_roundtrip_reproduces_the_issue_on_kl_drift():
 def test_simulation_equals_a_real_jupyter_server_save(tmp_path):
     """The real thing, minus the page: jupyter_server's contents API reads a notebook, node parses and re-serialises the
     model as JupyterLab's browser does, the server saves it, nbdev_clean runs. Its result must equal
-    jupyterlab_roundtrip's, on a figure stored as PNG (unchanged) and on kl_drift as issue 17 found it (changed)."""
+    jupyterlab_roundtrip's, on a figure stored as PNG (unchanged) and on kl_drift as commit 264131a had it (changed)."""
     import os
     import socket
     import time

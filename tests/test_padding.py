@@ -12,7 +12,6 @@ from opsd.padding import (ATTENTION_SEMANTICS, FA2_EMULATION, RELEASED_PADDING, 
                           padding_report)
 from opsd.rollout import SamplingConfig
 
-torch.set_num_threads(1)
 V = 301  # odd vocabulary
 
 

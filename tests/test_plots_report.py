@@ -534,43 +534,20 @@ def test_write_report_from_run_folders(tmp_path):
         report.write_report([tmp_path / "missing"], tmp_path / "rep2", png=False)
 
 
-def test_report_of_a_real_training_run(tmp_path):
-    # end to end on CPU: train a tiny real Qwen3 (2 steps), sweep its checkpoints, report from the folder
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def test_report_of_a_real_training_run(tiny_ckpt, toy_problems, tmp_path):
+    # end to end on CPU: train the tiny real Qwen3 of conftest (2 steps), sweep its checkpoints, report from the folder
+    from transformers import AutoTokenizer
 
-    from opsd.data import qwen3_tokenizer
     from opsd.eval import grade, sweep_checkpoints
     from opsd.rollout import SamplingConfig
     from opsd.runs import read_eval, read_metrics, read_positions
 
     import opsd.train as train
 
-    torch.set_num_threads(1)
-    tok = qwen3_tokenizer()
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=151936,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            tie_word_embeddings=True,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-    ).save_pretrained(tmp_path / "base")
-    tok.save_pretrained(tmp_path / "base")
-    probs = [
-        dict(problem=f"What is {a} + {b}?", solution=f"{a} + {b} = {a + b}. \\boxed{{{a + b}}}", answer=str(a + b))
-        for a in range(3)
-        for b in range(3)
-    ]
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt)
+    probs = toy_problems[:9]
     cfg = train.OPSDConfig(
-        model=str(tmp_path / "base"),
+        model=str(tiny_ckpt),
         run_dir=str(tmp_path / "runs" / "tiny"),
         clip="entry",
         lora_r=4,
@@ -587,7 +564,7 @@ def test_report_of_a_real_training_run(tmp_path):
     run = train.OPSDTrainer(cfg, probs, grader=lambda t, a: grade(t, a, "exact"), progress=False).fit()
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_ckpt).eval()
     sweep_checkpoints(
         run,
         base,

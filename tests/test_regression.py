@@ -16,11 +16,8 @@ import json, os
 from pathlib import Path
 
 import pytest
-import torch
 
 from opsd.train import OPSDConfig, OPSDTrainer
-
-torch.set_num_threads(1)
 
 STORED = Path(__file__).parent / "data" / "regression_toy.json"
 REL, ABS = 1e-9, 1e-12

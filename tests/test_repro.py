@@ -1,4 +1,4 @@
-"""The numbers a seed gives do not depend on the machine's thread settings, nor on an interruption (issue 19).
+"""The numbers a seed gives do not depend on the machine's thread settings, nor on an interruption.
 
 Each case runs in a fresh process, as a user's command would: it builds a reduced toy base (30 SFT steps) and trains
 4 OPSD steps on it (checkpoints every 2), under a different thread setting: OMP_NUM_THREADS=1 with torch at 1

@@ -1,4 +1,4 @@
-"""Bad inputs to a training run (issue 19), each a one-line error naming the field, file or folder, raised before any
+"""Bad inputs to a training run, each a one-line error naming the field, file or folder, raised before any
 long work and before anything in the run folder is written or overwritten: the table below (input -> message), then
 the run-folder cases (a crafted or old-format checkpoint, another config, a file in place of the folder, prompts
 longer than the model's context), and what a start records."""

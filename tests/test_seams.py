@@ -1,4 +1,4 @@
-"""A reference test at each seam of one OPSD step (issue 17): every check compares the trainer with the same quantity
+"""A reference test at each seam of one OPSD step: every check compares the trainer with the same quantity
 built another way (a fresh `from_pretrained`, a hand-built layout, the loss formula, a peft merge, an uninterrupted
 run, a stored answer key). Each docstring names the deliberate break that was made once in a working copy and made
 the test fail.
@@ -23,8 +23,6 @@ from opsd.train import OPSDConfig, OPSDTrainer
 # the tests replace optimizer.step to read the gradients; peft asks for a deprecated transformers property
 pytestmark = [pytest.mark.filterwarnings("ignore:Seems like `optimizer.step:UserWarning"),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")]
-
-torch.set_num_threads(1)  # a fixed thread count: float64 reductions are then reproducible run to run
 
 DATA = Path(__file__).parent / "data"
 CUTS = (3, 10, 6, 1, 8, 2, 10, 5)  # per-row completion lengths (the random sampler never stops by itself in 10 tokens)

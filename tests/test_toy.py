@@ -12,8 +12,6 @@ from opsd.toy import (TOY_PROMPT, TOY_SPECIAL_TOKENS, ToyConfig, build_toy_base,
                       toy_build_info, toy_config, toy_model, toy_rollout, toy_tokenizer)
 from opsd.repro import torch_threads
 
-torch.set_num_threads(1)  # tiny models: one thread is fastest (and robust on a shared machine)
-
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
              head_dim=16, sft_steps=12, warmup_steps=2, batch_size=8, n_eval=0, max_new_tokens=16)
 
