@@ -229,8 +229,8 @@ def test_roundtrip_changes_plotly_json_but_not_a_png(tmp_path):
     assert "jupyterlab-roundtrip" in _rules(dirty)  # not nbdev_clean'ed: the clean after the visit changes it
 
 
-def test_roundtrip_reproduces_the_issue_on_kl_drift():
-    "Issue 17 saw 60 lines of kl_drift change (1.0 -> 1) after a JupyterLab visit; the simulation finds the same."
+def test_roundtrip_reproduces_the_kl_drift_visit():
+    "A JupyterLab visit once changed 60 lines of kl_drift (1.0 -> 1, at 264131a); the simulation finds the same."
     r = subprocess.run(["git", "show", "264131a:nbs/explanations/kl_drift.ipynb"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     if r.returncode != 0:
