@@ -11,10 +11,11 @@ import numpy as np
 import polars as pl
 
 # %% auto #0
-__all__ = ['RUN_LOGS', 'WINDOW', 'TOY_CLIPS', 'SMOLLM2_ARMS', 'repo_root', 'store_dir', 'run_folders', 'add_study', 'manifest',
-           'read_study', 'run_effects', 'per_problem', 't_interval', 'bootstrap', 'widest', 'verdict', 'effect', 'fmt',
-           'fmt_ci', 'toy_effects', 'toy_table', 'toy_table_md', 'smollm2_effects', 'smollm2_table', 'smollm2_table_md',
-           'speed_table', 'recipe_speed', 'speed_claim', 'claims', 'main']
+__all__ = ['RUN_LOGS', 'WINDOW', 'TOY_CLIPS', 'SMOLLM2_ARMS', 'TOY_ROWS', 'SMOL_ROWS', 'repo_root', 'store_dir', 'run_folders',
+           'add_study', 'manifest', 'read_study', 'run_effects', 'per_problem', 't_interval', 'bootstrap', 'widest',
+           'verdict', 'effect', 'fmt', 'fmt_ci', 'toy_effects', 'toy_table', 'toy_table_md', 'smollm2_effects',
+           'smollm2_table', 'smollm2_table_md', 'speed_table', 'recipe_speed', 'speed_claim', 'smollm2_study',
+           'paired_table', 'claims', 'main']
 
 # %% ../nbs/13_results.ipynb #7a4154ee
 def repo_root(start:str|Path|None=None)->Path:
@@ -389,7 +390,59 @@ def speed_claim(recipe:str, store=None)->str:
         parts.append(f"{dev}: {r}")
     return "; ".join(parts)
 
-# %% ../nbs/13_results.ipynb #cae18a57
+# %% ../nbs/13_results.ipynb #1fd5d682
+def smollm2_study(study:str, arms:Sequence[str]):
+    """A SmolLM2 study's arms (names without `smollm2-scaled-`): per run `run_effects` with the mean s/step of steps
+    2- (`step_s`), the metrics, and the greedy evaluation rows."""
+    m, e, _ = read_study(study)
+    short = pl.col("arm").str.replace("^smollm2-scaled-", "")
+    m, e = (f.with_columns(short).filter(pl.col("arm").is_in(arms)) for f in (m, e))
+    e = e.filter(pl.col("key_temperature") == 0)   # the greedy rows: 100 held-out problems at steps 0 and 50
+    step_s = m.filter(pl.col("step") > 1).group_by("run").agg(pl.col("seconds").mean().alias("step_s"))
+    fx = run_effects(m, e).join(step_s, on="run").sort("arm", "seed")
+    assert fx.group_by("seed").agg(pl.col("acc_base").n_unique())["acc_base"].max() == 1, "one base a seed"
+    return fx, m.sort("arm", "seed", "step"), e
+
+TOY_ROWS = (("acc_change", "held-out acc change, pts", True), ("kl_last", "true KL, last 10 steps", False),
+            ("kl_rise", "true KL change, last 10 − first 10 steps", False))
+SMOL_ROWS = TOY_ROWS + (("argmax_clipped_last", "teacher argmax clipped, last 10 steps, pts", True),
+                        ("step_s", "s/step, mean of steps 2-", False))
+
+def paired_table(fx:pl.DataFrame, arms:Sequence[str], rows=TOY_ROWS, evals:pl.DataFrame|None=None, ages=None):
+    "Per number and arm: mean [95% t over seeds]; against the first arm, paired by seed (and, with `evals`, problem)."
+    base, out, d_acc = arms[0], [], {}
+    for col, label, pct in rows:
+        for arm in arms:
+            e = effect(fx, col, arm=arm)
+            row = {"number": label, "arm": arm, "mean [seeds]": f"{fmt(e['mean'], pct, 4)} {fmt_ci(e['seeds'], pct, 4)}"}
+            if arm != base:
+                d = effect(fx, col, evals if col == "acc_change" else None, against=base, arm=arm)
+                row[f"minus {base}, paired [seeds]"] = f"{fmt(d['mean'], pct, 4)} {fmt_ci(d['seeds'], pct, 4)}"
+                if evals is not None:
+                    row["[seeds × problems]"] = fmt_ci(d["problems"], pct, 4) if "problems" in d else ""
+                if col == "acc_change": d_acc[arm] = d
+            else:
+                row[f"minus {base}, paired [seeds]"] = ""
+                if evals is not None: row["[seeds × problems]"] = ""
+            out.append(row)
+    n = fx.group_by("arm").len()["len"].unique().to_list()
+    head = [f"{n[0] if len(n) == 1 else n} seeds per arm; base accuracy {fmt(fx['acc_base'].mean(), True)[1:]}%"]
+    if ages is not None: head[0] += "; mean rollout age by arm: " + ", ".join(
+        f"{a} {x:.2f}" for a, x in ages.group_by("arm").agg(pl.col("rollout_age").mean()).sort("arm").iter_rows())
+    with pl.Config(tbl_formatting="MARKDOWN", tbl_hide_column_data_types=True, tbl_hide_dataframe_shape=True,
+                   fmt_str_lengths=50, tbl_width_chars=200, tbl_rows=50):
+        lines = head + [str(pl.DataFrame(out))]   # printed once at the end: one stream output
+    if any(r[0] == "step_s" for r in rows):
+        sp = {a: effect(fx, "step_s", arm=a)["mean"] for a in arms}
+        lines.append("s/step as a share of " + base + "'s: " + ", ".join(f"{a} {100 * sp[a] / sp[base]:.0f}%" for a in arms[1:]))
+    for arm, d in d_acc.items():   # the judgement: the widest interval of the accuracy difference
+        w = d["widest"]
+        lines.append(f"{arm} − {base}, accuracy: widest interval {fmt_ci(w, True)} pts: "
+                     + ("within noise" if w["lo"] < 0 < w["hi"] else "resolved")
+                     + f"; a cost above {-100 * w['lo']:.1f} pts is ruled out")
+    print("\n".join(lines))
+
+# %% ../nbs/13_results.ipynb #e3567721
 def claims(store=None)->dict:
     "Name -> the exact text the README quotes (tables included), all computed from the store."
     toy, smol = toy_table(store), smollm2_table(store)
@@ -402,7 +455,7 @@ def claims(store=None)->dict:
             "smollm2_base_acc": f"{100 * s['scaled']['acc_base']:.0f}%",
             "fast_speed": speed_claim("fast", store), "fast_offpolicy_speed": speed_claim("fast-offpolicy", store)}
 
-# %% ../nbs/13_results.ipynb #5c3f903c
+# %% ../nbs/13_results.ipynb #853fed6e
 def main(argv=None):
     "`python -m opsd.results add|list`."
     import argparse
@@ -423,5 +476,5 @@ def main(argv=None):
         with pl.Config(tbl_rows=-1, fmt_str_lengths=60):
             print(manifest(args.store).select("study", "world", "runs", "date", "machine"))
 
-# %% ../nbs/13_results.ipynb #c2cfcfd4
+# %% ../nbs/13_results.ipynb #c7902c84
 if __name__ == "__main__" and "get_ipython" not in globals(): main()
