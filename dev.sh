@@ -71,8 +71,8 @@ run_tests() {
   echo "[dev.sh] 2/3 nbdev_test (cells flagged slow/gpu/vllm are skipped)"
   nbdev_test --n_workers 2 --timing
   echo "[dev.sh] 3/3 pytest"
-  # two workers, each test file whole on one (files share module fixtures); every test on one torch thread (conftest)
-  python -m pytest -q tests -p no:cacheprovider -n 2 --dist loadfile
+  # two workers that take tests from each other when one runs dry; every test on one torch thread (conftest)
+  python -m pytest -q tests -p no:cacheprovider -n 2 --dist worksteal
 }
 
 readme() {  # README.md from nbs/index.ipynb (nbdev_readme needs quarto, which is not installable offline)

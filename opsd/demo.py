@@ -313,7 +313,7 @@ def seed_effects(metrics:pl.DataFrame, evals:pl.DataFrame, window:int=10)->pl.Da
         first, last = g.head(1), g.tail(w)  # step 1: the base policy on its own samples (same for every clip of a seed)
         mean = lambda f, c: float(f[c].mean()) if c in f.columns and f[c].drop_nulls().len() else float("nan")
         row = {k: g[k][0] for k in ("teacher", "clip", "seed", "scheduler") if k in g.columns}
-        row.update(run=run, steps=int(g["step"].max()), kl_first=mean(first, "kl/true"), kl_last=mean(last, "kl/true"),
+        row.update(run=run, steps=int(g["step"].max()), kl_first=mean(g.head(w), "kl/true"), kl_last=mean(last, "kl/true"),
                    loss_neg_steps=float((g["loss"] < 0).mean()), entry_loss_last=mean(last, "entry/loss"),
                    entry_neg_change=mean(last, "entry/neg_loss_frac") - mean(first, "entry/neg_loss_frac"),
                    argmax_clipped_first=mean(first, "entry/argmax_clipped_frac"),
@@ -346,7 +346,7 @@ def effect_table(effects:pl.DataFrame, by:Sequence[str]=("teacher", "clip"), col
 
 # %% ../nbs/10b_demo.ipynb #bee69a3e
 _LABELS = {"acc_change": "held-out acc change (last - step 0)", "acc_best_change": "best checkpoint acc change",
-           "kl_change": "true KL change (last 10 steps - step 1)", "loss_neg_steps": "share of steps with own loss < 0",
+           "kl_change": "true KL change (last 10 - first 10 steps)", "loss_neg_steps": "share of steps with own loss < 0",
            "entry_loss_last": "released entry loss on the run's logits (last steps)",
            "entry_neg_change": "entry: negative-loss share change from step 1",
            "argmax_clipped_change": "entry: teacher-argmax clipped change from step 1"}
