@@ -4,65 +4,40 @@
 
 # %% ../nbs/10c_analyze.ipynb #b0778fbc
 from __future__ import annotations
-import html, json, re, time
-from dataclasses import replace
+import html, json, time
 from pathlib import Path
 
 import polars as pl
 import torch
 
-from .data import PromptConfig, student_prompt_ids, teacher_prompt
+from .data import PromptConfig, student_prompt_ids, TEACHER_CONTEXTS, teacher_context_prompt
 from .collate import collate, batch_logits, pad_eos_ids
 from .rollout import HFRollout, SamplingConfig
 from .loss import divergence_terms, entry_kept
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, POSITION_KEYS
 
 # %% auto #0
-__all__ = ['TEACHER_PROMPTS', 'no_reference_template', 'teacher_prompts', 'kl_bands', 'privilege_audit', 'analyze',
-           'position_view', 'token_view_data', 'kl_bin', 'token_view_html', 'token_view_page', 'format_analysis',
-           'analysis_json', 'write_analysis', 'add_analyze_args', 'cmd_analyze']
+__all__ = ['TEACHER_PROMPTS', 'AUDIT_CONTEXT', 'teacher_prompts', 'kl_bands', 'privilege_audit', 'analyze', 'position_view',
+           'token_view_data', 'kl_bin', 'token_view_html', 'token_view_page', 'format_analysis', 'analysis_json',
+           'write_analysis', 'add_analyze_args', 'cmd_analyze']
 
 # %% ../nbs/10c_analyze.ipynb #f12be9c7
 TEACHER_PROMPTS = ("released", "no_reference", "wrong_reference")  # the counterfactual teacher prompts of the audit
-_REF_FIELDS = ("{begin}", "{solution}", "{end}", "{guard}")
-
-def no_reference_template(template: str, # a teacher template (PromptConfig.teacher_template)
-                         ) -> str: # the template without its reference block
-    "The teacher's template with the reference block (and the line announcing it) cut out."
-    lines = template.split("\n")
-    hit = [i for i, line in enumerate(lines) if any(f in line for f in _REF_FIELDS)]
-    if not any("{solution}" in line for line in lines):
-        raise ValueError(f"teacher_template has no {{solution}} field, so no reference block to remove: {template!r}")
-    i, j = hit[0], hit[-1]
-    while i > 0 and lines[i - 1].strip() and "{problem}" not in lines[i - 1]: i -= 1   # the line announcing it
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines[:i] + lines[j + 1:]))
-
-def _other_solution(problems: list[dict], i: int) -> str:
-    "The reference solution of the next problem (cyclically) whose solution differs from problem i's."
-    own = problems[i]["solution"]
-    for k in range(1, len(problems)):
-        s = problems[(i + k) % len(problems)]["solution"]
-        if s != own: return s
-    raise ValueError(f"wrong_reference: no other problem with a solution different from row {i}'s "
-                     "(give at least 2 problems with distinct solutions)")
+AUDIT_CONTEXT = dict(zip(TEACHER_PROMPTS, TEACHER_CONTEXTS))   # each audit prompt is a training `teacher_context`
 
 def teacher_prompts(tokenizer, problems: list[dict], # problem records (problem, solution)
                          cfg: PromptConfig | None = None, # the world's prompt wording
                          teachers=TEACHER_PROMPTS, # which counterfactual prompts
                         ) -> dict[str, list[str]]: # teacher prompt name -> one prompt text per problem
     "Each problem's teacher prompt under each counterfactual: released, no reference, another problem's reference."
-    cfg = cfg or PromptConfig()
     unknown = [t for t in teachers if t not in TEACHER_PROMPTS]
     if unknown: raise ValueError(f"unknown teacher prompt(s) {unknown}: choose from {TEACHER_PROMPTS}")
     for i, p in enumerate(problems):
         for f in ("problem", "solution"):
             if not isinstance(p.get(f), str):
                 raise ValueError(f"problem row {i}: field {f!r} must be a string, got {p.get(f)!r}")
-    noref = replace(cfg, teacher_template=no_reference_template(cfg.teacher_template))
-    make = dict(released=lambda i, p: teacher_prompt(tokenizer, p["problem"], p["solution"], cfg),
-                no_reference=lambda i, p: teacher_prompt(tokenizer, p["problem"], "", noref),
-                wrong_reference=lambda i, p: teacher_prompt(tokenizer, p["problem"], _other_solution(problems, i), cfg))
-    return {t: [make[t](i, p) for i, p in enumerate(problems)] for t in teachers}
+    return {t: [teacher_context_prompt(tokenizer, problems, i, AUDIT_CONTEXT[t], cfg) for i in range(len(problems))]
+            for t in teachers}
 
 # %% ../nbs/10c_analyze.ipynb #79d33a7b
 _KL_BANDS = (("bottom 50%", 0.0, 0.5), ("50-90%", 0.5, 0.9), ("top 10%", 0.9, 1.0))  # positions by true-KL rank share

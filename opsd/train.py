@@ -15,7 +15,8 @@ import torch
 
 from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, normaliser
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_frame
-from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_problems, check_context, model_context
+from .data import (PromptConfig, student_prompt_ids, prompt_ids, teacher_context_prompt, load_problems,
+                       check_context, model_context)
 from .collate import collate, trim_at_eos
 from .config import OPSDConfig, TEACHER_MODES, EMA_STARTS, upgrade_config
 # re-exported: `from opsd.train import OPSDConfig, read_yaml, ...` keeps working (05h_config is their home)
@@ -388,8 +389,9 @@ class OPSDTrainer:
         "Student and teacher prompt ids of problem i (cached)."
         if i not in self._prompt_cache:
             r = self.problems[i]
+            teacher = teacher_context_prompt(self.tok, self.problems, i, self.cfg.teacher_context, self.prompt_cfg)
             self._prompt_cache[i] = (student_prompt_ids(self.tok, r["problem"], self.prompt_cfg),
-                                     teacher_prompt_ids(self.tok, r["problem"], r["solution"], self.prompt_cfg))
+                                     prompt_ids(self.tok, teacher))
         return self._prompt_cache[i]
 
     def check_context(self):
@@ -398,6 +400,8 @@ class OPSDTrainer:
         limit = model_context(AutoConfig.from_pretrained(str(self.model_path)))
         where = self.cfg.data or getattr(self.problems, "source", "") or "the problems"
         ids = [r.get("id", i) for i, r in enumerate(self.problems)]
+        try: [self.prompts(i) for i in range(len(self.problems))]   # teacher_context='wrong' needs 2 distinct answers
+        except ValueError as e: raise ValueError(f"{where}: {e}") from None
         for k, what in enumerate(("student prompt", "teacher prompt")):
             check_context([self.prompts(i)[k] for i in range(len(self.problems))], budget=self.cfg.max_completion_length,
                           limit=limit, where=where, ids=ids, what=what)

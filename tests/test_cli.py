@@ -119,19 +119,20 @@ def test_train_preset_follows_the_world(tmp_path):
 def smollm2_run(tmp_path_factory):
     rd = tmp_path_factory.mktemp("smol") / "run"
     run("train", "--model", "smollm2", "--steps", "1", "--batch-size", "2", "--micro-batch-size", "2",
-        "--set", "max_completion_length=16", "log_positions=4", "--run-dir", rd, "--quiet")
+        "--set", "max_completion_length=16", "log_positions=4", "teacher_context=none", "--run-dir", rd, "--quiet")
     return rd
 
 
 def test_train_smollm2_on_cpu(smollm2_run):
-    "`opsd train --model smollm2 --steps 1` with a small batch runs on CPU with the world's preset."
+    """`opsd train --model smollm2 --steps 1` with a small batch runs on CPU with the world's preset, here with the
+    teacher that reads no reference (`teacher_context=none`: the KL is the prompt change alone, still above 0)."""
     from opsd.smollm2 import SMOLLM2_RECIPE
     rd = smollm2_run
     cfg = json.loads((rd / "config.json").read_text())
-    assert (cfg["model"], cfg["dtype"], cfg["rollout"], cfg["batch_size"], cfg["max_completion_length"]) == \
-        ("smollm2", "float32", "hf", 2, 16)
+    assert (cfg["model"], cfg["dtype"], cfg["rollout"], cfg["batch_size"], cfg["max_completion_length"],
+            cfg["teacher_context"]) == ("smollm2", "float32", "hf", 2, 16, "none")
     mine = ("dtype", "rollout", "batch_size", "micro_batch_size", "steps", "max_completion_length", "run_dir",
-            "log_positions")  # set on the command line, or the CPU's choices
+            "log_positions", "teacher_context")  # set on the command line, or the CPU's choices
     recipe = {k: v for k, v in SMOLLM2_RECIPE.items() if k not in mine}
     assert {k: cfg[k] for k in recipe} == recipe
     m = pl.read_ndjson(rd / "metrics.jsonl")
