@@ -113,6 +113,8 @@ class OPSDConfig:
     prompt: dict = field(default_factory=dict)  # overrides of opsd.data.PromptConfig fields (the prompts' wording)
     # -- logging
     log_positions: int = 0  # per-position instruments sampled per step into positions.jsonl
+    report_to: str = "none"  # trackers that get each metrics row: 'none', 'tensorboard', 'wandb', 'trackio', ...
+    #                          (comma-separated; accelerate's tracker classes; opsd.trackers)
 
     def __post_init__(self):
         for f in dataclasses.fields(self): setattr(self, f.name, _check_type(f, getattr(self, f.name)))
@@ -148,6 +150,7 @@ class OPSDConfig:
         valid = [f.name for f in dataclasses.fields(PromptConfig)]
         bad = sorted(set(self.prompt) - set(valid))
         if bad: raise ValueError(f"config field prompt: unknown key(s) {bad}; valid keys: {valid}")
+        from opsd.trackers import parse_report_to; parse_report_to(self.report_to)   # a known tracker name, or 'none'
         if self.teacher_context == "none":   # a template without a reference block has nothing to cut
             try: no_reference_template(PromptConfig(**self.prompt).teacher_template)
             except ValueError as e: raise ValueError(f"config field teacher_context='none': {e}") from None

@@ -680,7 +680,7 @@ def _keep_positions(self: OPSDTrainer, step: int, back: BackwardResult):
 
 
 # %% ../nbs/06_train.ipynb #50843787
-RESUME_MAY_DIFFER = ("run_dir", "save_every")   # where the folder is, where checkpoints fall: no number changes
+RESUME_MAY_DIFFER = ("run_dir", "save_every", "report_to")   # where the folder is, where checkpoints fall: no number changes
 
 def _plain(d: dict) -> dict: return json.loads(json.dumps(d, default=str))   # as config.json holds it
 
@@ -821,6 +821,7 @@ def _loop(self: OPSDTrainer, start: int, stop_after: int | None) -> Path:
             self.step_done = step
             if self.acc.is_main_process:
                 self.run.append_metrics(row)
+                from opsd.trackers import log_metrics_row; log_metrics_row(self, row)   # report_to's trackers
                 if self._positions: self.run.append_positions(self._positions)
                 _test_pause("step", step)
             acc = "-" if row["sampled_acc"] is None else f"{row['sampled_acc']:.2f}"

@@ -18,7 +18,7 @@ def run(*args, check=True):
     return code, out, err
 
 
-@pytest.mark.parametrize("cmd", ["demo", "train", "eval", "report", "padding", "analyze"])
+@pytest.mark.parametrize("cmd", ["demo", "train", "eval", "report", "padding", "analyze", "export"])
 def test_help(cmd):
     code, out, _ = run(cmd, "--help", check=False)
     assert code == 0 and "usage: opsd " + cmd in out
@@ -155,6 +155,21 @@ def test_eval_smollm2_run(smollm2_run):
     run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--temperature", "1.0", "--quiet")
     ev = pl.read_ndjson(rd / "eval.jsonl")
     assert ev.group_by("key_temperature").len().sort("key_temperature").rows() == [(0.0, 4), (1.0, 4)]
+
+
+def test_export_smollm2_run(smollm2_run, tmp_path):
+    "`opsd export` of the SmolLM2 run: plain from_pretrained loads the merged bf16 folder and generates (greedy)."
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = tmp_path / "smol-merged"
+    run("export", smollm2_run, "--out", out, "--dtype", "bfloat16")
+    model, tok = AutoModelForCausalLM.from_pretrained(out).eval(), AutoTokenizer.from_pretrained(out)
+    assert model.config.model_type == "llama" and str(model.dtype) == "torch.bfloat16"
+    ids = tok.apply_chat_template([dict(role="user", content="What is 2 + 3?")], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    gen = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+    assert len(gen) >= 1 and tok.decode(gen).strip()
+    card = (out / "README.md").read_text()
+    assert "`smollm2`" in card and "smollm2 world" in card and "Clip mode" in card
 
 
 def test_quick_is_for_the_toy_only():
