@@ -4,7 +4,8 @@
 # side by side): sync (scaled clip, the released teacher), noref and wrongref (scaled, teacher_context none / wrong),
 # entry (entry clip, the released teacher) and entrynoref (entry, none); greedy held-out accuracy at steps 0 and 50.
 # Usage, after the vllm, opsd and smollm2 sets are unpacked into /tmp/site (README.md here):
-#   SEEDS=0-2 LIMIT=540 bash tools/gpu/privilege.sh        (ARMS="sync noref ..." to choose arms)
+#   SEEDS=0-2 LIMIT=540 bash tools/gpu/privilege.sh        (ARMS="sync noref ..." to choose arms; HF=1: HF
+#   generation instead of vLLM, for a machine with only the opsd and smollm2 sets)
 # Each process is time-boxed to end before LIMIT seconds; finished seeds are kept (run folders resume on a second
 # call on the same warm machine). $OUT gets privilege-runs.tgz: every run's raw files (config, starts, metrics,
 # eval, positions; no checkpoints) and each process's log and summary JSON, for `python -m opsd.results add`.
@@ -21,7 +22,7 @@ export ENGINE_LOCK=$W/engine.lock BARRIER=$W/barrier:$n
 left=$(( LIMIT - ($(date +%s) - t0) - 25 ))
 for arm in $ARMS; do
   timeout $left python3 tools/gpu/staleness_smollm2.py $W/runs-$arm $W/$arm.json $SEEDS --arms $arm --no-sync \
-    --engine-memory 0.1 > $W/$arm.log 2>&1 &
+    --engine-memory 0.1 ${HF:+--hf} > $W/$arm.log 2>&1 &
 done
 wait
 echo "arms done after $(( $(date +%s) - t0 )) s"

@@ -23,6 +23,7 @@ interval and `diff_<arm>`, the paired arm - sync difference (the first study's f
 and `diff`).
 --no-sync: train only the arms named (several processes on one GPU, one arm each, each with its own engine).
 --engine-memory F: the engine's share of GPU memory (default 0.2; 0.1 lets five processes share one GPU).
+--hf: HF generation on the GPU for the rollouts and the evaluation instead of vLLM (a machine without vLLM).
 --steps N: N optimizer steps instead of the world's 50 (a multiple of 20 on the GPU: checkpoints every 10, groups of
 4), the accuracy measured at step N; use another OUT_RUNS than the 50-step runs' (the run names do not say N).
 --smoke: the same code on CPU at toy size (4 steps of 4 completions, 16 tokens, 4 held-out problems, HF engine), to
@@ -68,8 +69,9 @@ if "--steps" in argv:
     try: steps = int(argv[i + 1])
     except (IndexError, ValueError): sys.exit("--steps needs a whole number of optimizer steps, e.g. --steps 100")
     del argv[i:i + 2]
-args = [a for a in argv if a not in ("--smoke", "--no-sync")]
+args = [a for a in argv if a not in ("--smoke", "--no-sync", "--hf")]
 smoke = "--smoke" in argv
+hf = smoke or "--hf" in argv   # --hf: the trainer's HF rollout on the GPU (no vLLM), also for the evaluation
 out, dest = Path(args[0]), Path(args[1])
 def parse_seeds(text: str) -> int | list[int]:
     "SEEDS: a count n (seeds 0..n-1), a range 'a-b' (a..b, both in) or a list 'a,b,c'."
@@ -86,6 +88,7 @@ if smoke:
     recipe = DemoRecipe(k=1, n_eval=4, config=dict(steps=4, batch_size=4, micro_batch_size=4,
                                                    max_completion_length=16, save_every=4, rollout="hf"))
 n_test, last, new_tokens = (4, 4, 16) if smoke else (100, 50, 128)
+if hf and not smoke: recipe = recipe.with_config(rollout="hf")
 if steps is not None:   # the last checkpoint is the measure; every arm of the study gets the same length
     unit = 4 if smoke else 20   # whole groups of 4 (the k4 arms), and on the GPU a checkpoint every 10 steps
     if steps < unit or steps % unit: sys.exit(f"--steps must be a multiple of {unit} here, got {steps}")
@@ -104,14 +107,14 @@ t0 = time.perf_counter()
 # Several processes on one GPU (tools/gpu/privilege.sh): ENGINE_LOCK makes their engines start one at a time, and
 # BARRIER=DIR:N holds each process until N engines are up, so no engine profiles its memory while another process
 # allocates or frees (vLLM reads the device's free memory then).
-lock = open(os.environ["ENGINE_LOCK"], "w") if os.environ.get("ENGINE_LOCK") and not smoke else None
+lock = open(os.environ["ENGINE_LOCK"], "w") if os.environ.get("ENGINE_LOCK") and not hf else None
 if lock: fcntl.flock(lock, fcntl.LOCK_EX)
 try:
-    engine = None if smoke else make_rollout("vllm", None, tok, path, max_model_len=1024, gpu_memory_utilization=engine_memory,
+    engine = None if hf else make_rollout("vllm", None, tok, path, max_model_len=1024, gpu_memory_utilization=engine_memory,
                                              sleep=False, seed=0, progress=False, merged=True)
 finally:
     if lock: fcntl.flock(lock, fcntl.LOCK_UN)
-    if os.environ.get("BARRIER") and not smoke:   # arrive (also when the engine failed: the others must not wait)
+    if os.environ.get("BARRIER") and not hf:   # arrive (also when the engine failed: the others must not wait)
         bdir, n = os.environ["BARRIER"].rsplit(":", 1)
         Path(bdir).mkdir(parents=True, exist_ok=True); (Path(bdir) / str(os.getpid())).touch()
         t_wait = time.time()
