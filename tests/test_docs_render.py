@@ -251,3 +251,17 @@ def test_rendered_links_resolve_and_every_page_links_to_contents(site, tmp_path)
     single = tmp_path / "one"
     assert rd.main(["--out", str(single), str(nbs / "04_collate.ipynb")]) == 0
     assert 'href="04_collate.html"' in (single / "contents.html").read_text()
+
+
+def test_readme_library_follows_the_getting_started_tutorial():
+    """The README's "As a library" walks the tutorial's path (which nbdev_test runs top to bottom): the same calls, in
+    the same order. Catches a README example drifting to an API the tutorial no longer shows."""
+    readme = (ROOT / "README.md").read_text().split("## As a library", 1)[1].split("\n## ", 1)[0]
+    nb = json.loads((ROOT / "nbs" / "tutorials" / "getting_started.ipynb").read_text())
+    tut = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    calls = ['load_world("toy")', "loss_and_diagnostics(", "summarize_diagnostics(", "analyze((toy.model, toy.tokenizer)",
+             "token_view_html(", 'load_world("smollm2")']
+    for text in (readme, tut):
+        at = [text.find(c) for c in calls]
+        assert all(i >= 0 for i in at) and at[:-1] == sorted(at[:-1]), [c for c, i in zip(calls, at) if i < 0]
+    assert "getting_started.ipynb" in readme
