@@ -13,9 +13,9 @@ from .repro import environment
 
 # %% auto #0
 __all__ = ['DEMO_TEACHERS', 'DEMO_CLIPS', 'CLIP_TITLES', 'DEMO_TOY', 'EFFECTS', 'QUICK_TOY', 'DEMO_STEPS', 'DemoRecipe',
-           'demo_jobs', 'job_config', 'run_job', 'run_jobs', 'run_world_jobs', 'demo_frames', 'seed_effects',
-           'effect_table', 'format_effects', 'run_demo', 'run_study', 'study_schedules', 'study_released_lr',
-           'released_lr_variants', 'study_jobs', 'parse_set', 'add_demo_args', 'cmd_demo']
+           'demo_jobs', 'job_config', 'run_job', 'steps_done', 'DemoProgress', 'run_jobs', 'run_world_jobs',
+           'demo_frames', 'seed_effects', 'effect_table', 'format_effects', 'run_demo', 'run_study', 'study_schedules',
+           'study_released_lr', 'released_lr_variants', 'study_jobs', 'parse_set', 'add_demo_args', 'cmd_demo']
 
 # %% ../nbs/10b_demo.ipynb #72dafffb
 DEMO_TEACHERS = ("soft",)  # toy presets trained by default (see opsd.toy: the teacher's trust in references)
@@ -136,6 +136,37 @@ def run_job(job:dict, # from `demo_jobs`
         out["eval_s"] = round(time.perf_counter() - t1, 1)
     return out
 
+# %% ../nbs/10b_demo.ipynb #b5bfb4b3
+def steps_done(run_dir)->int:
+    "Optimizer steps a run folder has recorded (rows of its metrics.jsonl; 0 when there is none yet)."
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.exists(): return 0
+    with open(p, "rb") as f: return sum(1 for line in f if line.strip())
+
+class DemoProgress:
+    "Progress of demo jobs over all runs: steps done of total, runs trained and evaluated; a line when it moved."
+    def __init__(self, jobs:list[dict], every:float=30.0, out=None):
+        self.jobs, self.every, self.out = jobs, every, out
+        self.total = sum(job_config(j).steps for j in jobs)
+        self.t0, self.last_t, self.last = time.perf_counter(), -float("inf"), None
+
+    def line(self, trained:int=0, evaluated:int=0)->str:
+        steps = min(self.total, sum(min(steps_done(j["run_dir"]), job_config(j).steps) for j in self.jobs))
+        mins, secs = divmod(int(time.perf_counter() - self.t0), 60)
+        return (f"[opsd demo] {mins}:{secs:02d} training {steps}/{self.total} steps ({steps / max(self.total, 1):.0%}), "
+                f"{trained}/{len(self.jobs)} runs trained, {evaluated}/{len(self.jobs)} evaluated")
+
+    def tick(self, trained:int=0, evaluated:int=0)->str|None:
+        "Print the line when `every` seconds passed since the last one and the counts moved; returns it, or None."
+        now = time.perf_counter()
+        if now - self.last_t < self.every: return None
+        line = self.line(trained, evaluated)
+        key = line.split(" ", 3)[3]   # without the clock
+        if key == self.last: return None
+        self.last, self.last_t = key, now
+        print(line, flush=True, file=self.out)
+        return line
+
 # %% ../nbs/10b_demo.ipynb #42134a15
 def _toy_key(teacher:str, toy:dict)->tuple: return (teacher, json.dumps(toy, sort_keys=True))
 
@@ -153,6 +184,7 @@ def _toy_bases(jobs:list[dict], progress:bool=True)->dict:
 def run_jobs(jobs:list[dict], workers:int|None=None, # processes; None = the machine's cores
              progress:bool=True,
              bases:dict|None=None, # `_toy_bases(jobs)` when the caller made them already (else made here)
+             progress_every:float=30.0, # seconds between progress lines (steps done of total) while runs train
             )->list[dict]:
     "Run demo jobs (bases first, then one process per run); returns their timing records in job order."
     from concurrent.futures import ProcessPoolExecutor, wait, FIRST_COMPLETED
@@ -164,7 +196,7 @@ def run_jobs(jobs:list[dict], workers:int|None=None, # processes; None = the mac
                                        f"({len(done)}/{len(jobs)})", flush=True)
     if workers <= 1:
         for j in jobs:
-            done[j["name"]] = run_job(j); say(done[j["name"]])
+            done[j["name"]] = run_job(j, progress=progress); say(done[j["name"]])   # the trainer's bar: steps done
     else:
         from opsd.demo import run_job as job_fn  # a pool pickles the module's function by name
         by_name, train_s = {j["name"]: j for j in jobs}, {}
@@ -172,8 +204,10 @@ def run_jobs(jobs:list[dict], workers:int|None=None, # processes; None = the mac
             # every training first, each run's evaluation queued as soon as its training ends: the short
             # evaluations fill the pool's tail instead of one long run finishing alone on one core
             pending = {ex.submit(job_fn, j, phase="train") for j in jobs}
+            report = DemoProgress(jobs, every=progress_every) if progress else None
             while pending:
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                finished, pending = wait(pending, timeout=progress_every if progress else None,
+                                         return_when=FIRST_COMPLETED)
                 for f in finished:
                     r = f.result()
                     if "eval_s" not in r:
@@ -181,6 +215,7 @@ def run_jobs(jobs:list[dict], workers:int|None=None, # processes; None = the mac
                         pending.add(ex.submit(job_fn, by_name[r["name"]], phase="eval"))
                     else:
                         done[r["name"]] = {**r, "train_s": train_s[r["name"]]}; say(done[r["name"]])
+                if report: report.tick(len(train_s), len(done))   # steps done of total, every progress_every s
     return [done[j["name"]] for j in jobs]
 
 # %% ../nbs/10b_demo.ipynb #a1b2c3d5

@@ -178,7 +178,12 @@ def load_world(name: str = "toy", # 'toy', 'toy:soft', 'toy:copy', 'smollm2', or
               ) -> LoadedWorld:
     "A world's base model (eval mode), tokenizer and prompt wording in one call: `load_world('toy')`."
     from opsd.runs import load_model
+    from transformers.utils import logging as hf_logging
     w = resolve_world(name, data=data)
     w.check_model()
-    model, tok = load_model(w.path, dtype or w.eval_dtype or "float32")
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()   # a small model loads in a blink: no "Loading weights" bar in the notebook
+    try: model, tok = load_model(w.path, dtype or w.eval_dtype or "float32")
+    finally:
+        if bar: hf_logging.enable_progress_bar()
     return LoadedWorld(w, model.eval(), tok, w.prompt_config(None))

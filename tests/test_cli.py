@@ -53,6 +53,10 @@ def quick_demo(tmp_path_factory):
 
 def test_quick_demo_outputs_are_consistent(quick_demo):
     out, stdout = quick_demo
+    # progress while the runs train: steps done of the total over all runs (6 runs of the quick recipe)
+    import re
+    prog = re.findall(r"training (\d+)/(\d+) steps \(\d+%\), (\d)/6 runs trained", stdout)
+    assert prog and all(int(a) <= int(b) for a, b, _ in prog), stdout[-2000:]
     for seed in (0, 1):
         runs = {m: out / f"soft-{m}-s{seed}" for m in ("entry", "scaled", "none")}
         for mode, rd in runs.items():
