@@ -648,8 +648,8 @@ def grad_cos(
     if not cols:
         raise ValueError(f"grad_cos: frame lacks columns ['update_cos', 'entry/grad_cos'] (has {metrics.columns})")
     _require(metrics, ["step", *cols], "grad_cos")
-    titles = {"update_cos": "the run's own update (update_cos)",
-              "entry/grad_cos": "the entry clip on the run's logits (entry/grad_cos)"}
+    titles = {"update_cos": "the run's own update<br>(update_cos)",   # two lines: they fit side by side at 800 px
+              "entry/grad_cos": "the entry clip on the run's logits<br>(entry/grad_cos)"}
     fig = make_subplots(rows=1, cols=len(cols), shared_yaxes=True, horizontal_spacing=0.05,
                         subplot_titles=[titles[c] for c in cols])
     for k, c in enumerate(cols, start=1):
@@ -659,9 +659,10 @@ def grad_cos(
         fig.update_xaxes(title_text="optimizer step", row=1, col=k)
     fig.update_yaxes(range=[-1.05, 1.05])
     fig.update_yaxes(title_text="cosine with the true-KL gradient", row=1, col=1)
-    fig.update_layout(template=TEMPLATE, title="Gradient direction against the true KL's", height=420,
-                      hovermode="closest",
-                      legend_title_text="run trained with clip")
+    fig.update_layout(template=TEMPLATE, title="Gradient direction against the true KL's", height=440,
+                      hovermode="closest", margin=dict(t=110),
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, x=0), legend_title_text="run trained with clip")
+    fig.update_annotations(font_size=13)
     return fig
 
 # %% ../nbs/09_plots.ipynb #e43eec5b

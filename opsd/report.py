@@ -22,8 +22,8 @@ from .eval import summarize_eval
 from . import plots
 
 # %% auto #0
-__all__ = ['eval_summary', 'run_summary', 'report_figures', 'write_pngs', 'token_view_fragment', 'report_from_frames', 'load_run',
-           'unique_run_labels', 'write_report']
+__all__ = ['FIGURE_CAPTIONS', 'eval_summary', 'run_summary', 'report_figures', 'write_pngs', 'figure_caption', 'report_lead',
+           'token_view_fragment', 'report_from_frames', 'load_run', 'unique_run_labels', 'write_report']
 
 # %% ../nbs/10_report.ipynb #997c2d22
 _CONFIG_KEYS = ("clip", "tau", "beta")
@@ -187,13 +187,66 @@ def write_pngs(
         pio.defaults.mathjax = old_mathjax
     return paths
 
+# %% ../nbs/10_report.ipynb #b471296b
+FIGURE_CAPTIONS = {
+    "kl_drift": "The true KL(t‖s) between teacher and student at the completion positions, per optimizer step: what "
+                "self-distillation should drive down. Line: mean over runs; band: their spread.",
+    "loss_by_clip": "What each run minimised, on its own axis per clip mode: under the entry clip this loss can fall "
+                    "below zero while the true KL above rises.",
+    "entry_loss_sign": "The released entry-clipped loss evaluated on every run's logits (whichever clip it trained "
+                       "with): negative where the clip removed the entries the teacher wants most.",
+    "argmax_clipped": "Share of positions where the entry clip removes the teacher's most likely token: the "
+                      "correction the teacher most wants is dropped there.",
+    "argmax_clipped_vs_tau": "The same share at the last step against the clip threshold τ.",
+    "grad_cos": "Cosine between the gradient a run follows and the true KL's gradient: 1 is the true direction, "
+                "below 0 the update moves against it.",
+    "sampled_acc": "Share of the training batch's sampled completions with the right answer (on-policy accuracy).",
+    "grad_cos_by_band": "The entry clip's gradient cosine by true-KL band: where the KL is largest the clip bends "
+                        "the gradient most.",
+}
+_CAPTION_PREFIX = {"clipped_mass_": "Teacher probability mass on clipped entries against the position's true KL: "
+                                    "how much of what the teacher wants the clip discards, by divergence.",
+                   "accuracy": "Held-out accuracy (avg@k) at each evaluated checkpoint; step 0 is the base model. "
+                               "Line: mean over runs; band: their spread."}
+
+
+def figure_caption(name: str) -> str:
+    "The caption under a report figure (empty for a figure without one)."
+    if name in FIGURE_CAPTIONS: return FIGURE_CAPTIONS[name]
+    return next((v for k, v in _CAPTION_PREFIX.items() if name.startswith(k)), "")
+
+
+def report_lead(table: pl.DataFrame, # `run_summary(...)`
+               ) -> str: # HTML: one paragraph
+    "The report's opening: what the numbers mean, then what these runs did to the true KL, per clip mode."
+    meaning = ("<b>How to read it.</b> The <i>true KL(t‖s)</i> is how far the student's next-token distribution is "
+               "from its teacher's at each completion position (nats; self-distillation should lower it); the "
+               "<i>loss</i> is what a run minimised, which the entry clip can push below zero while the true KL "
+               "rises; <i>argmax clipped</i> is the share of positions where the clip removes the teacher's most "
+               "likely token; accuracy is avg@k on held-out problems.")
+    if table.height == 0 or "kl_true_first" not in table.columns: return f'<p class="lead">{meaning}</p>'
+    key = "clip" if "clip" in table.columns else "run"
+    parts = []
+    for (k,), g in table.group_by([key], maintain_order=True):
+        a, b = g["kl_true_first"].mean(), g["kl_true_last"].mean()
+        if a is None or b is None: continue
+        word = "fell" if b < a else "rose" if b > a else "stayed"
+        runs = f"{g.height} run{'s' if g.height > 1 else ''}"
+        parts.append(f"{'under ' if key == 'clip' else ''}<b>{html.escape(str(k))}</b> it {word} from {a:.3g} to "
+                     f"{b:.3g} ({runs})")
+    what = ("<b>What happened.</b> From the first to the last step, the true KL (mean over runs) " + "; ".join(parts)
+            + ".") if parts else ""
+    return f'<p class="lead">{meaning}</p>' + (f'<p class="lead">{what}</p>' if what else "")
+
 # %% ../nbs/10_report.ipynb #197be126
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1150px;padding:0 1rem;
  color:#222}
 h1{margin-bottom:.2rem} .sub{color:#666;margin-top:0}
-table{border-collapse:collapse;font-size:.85rem;margin:1rem 0;display:block;overflow-x:auto}
-th,td{border:1px solid #ddd;padding:.3rem .5rem;text-align:right;white-space:nowrap}
+table{border-collapse:collapse;font-size:.82rem;margin:1rem 0;display:block;overflow-x:auto;max-width:100%}
+th,td{border:1px solid #ddd;padding:.3rem .5rem;text-align:right;white-space:nowrap} th{white-space:normal}
+td:first-child,th:first-child{text-align:left} td.fl{white-space:normal;min-width:7rem}
+p.lead{font-size:1.02rem;line-height:1.5;max-width:62rem} p.cap{color:#444;font-size:.9rem;margin:.2rem 0 0;max-width:62rem}
 th{background:#f4f4f4} td.l,th.l{text-align:left}
 section.fig{margin:2rem 0;border-top:1px solid #eee;padding-top:.5rem}
 pre{background:#f7f7f7;padding:.6rem;overflow-x:auto;font-size:.8rem}
@@ -231,11 +284,11 @@ def _table_html(table: pl.DataFrame) -> str:
     body = []
     for r in table.iter_rows(named=True):
         cells = "".join(f'<td class="{"l" if c in ("run", "clip") else ""}">{_fmt(r[c])}</td>' for c in cols)
-        cells += "".join(f"<td>{_fmt(r[a])} → {_fmt(r[b])}</td>" for _, a, b in pairs)
+        cells += "".join(f'<td class="fl">{_fmt(r[a])} → {_fmt(r[b])}</td>' for _, a, b in pairs)  # may wrap: fits
         if has_acc:
             cells += ("<td>–</td>" if r.get("acc_first") is None else
-                      f"<td>{r['acc_first']:.1%} (step {r['acc_first_step']}) → "
-                      f"{r['acc_last']:.1%} (step {r['acc_last_step']})</td>")
+                      f'<td class="fl">{r["acc_first"]:.1%} (step {r["acc_first_step"]}) → '
+                      f'{r["acc_last"]:.1%} (step {r["acc_last_step"]})</td>')
         body.append(f"<tr>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -275,7 +328,8 @@ def _token_views_html(views: Sequence[str | Path] | None) -> str:
         return ""
     out = ['<h2 id="token-view">Token view</h2><p>One completion token by token, each coloured by its true '
            "KL(t‖s); hover or focus a token for the teacher's and the student's top alternatives and the entries the "
-           "entry clip removes there (written by <code>opsd analyze --out</code>).</p>"]
+           "entry clip removes there (written by <code>opsd analyze --out</code>, and one per clip mode by "
+           "<code>opsd demo</code>).</p>"]
     for k, p in enumerate(views):
         out.append(f'<section class="fig" id="token-view-{k}"><h3>{html.escape(Path(p).parent.name)}</h3>'
                    f"{token_view_fragment(p)}</section>")
@@ -308,7 +362,9 @@ def report_from_frames(
         div = pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), include_mathjax=False,
                           div_id=f"fig-{name}", config={"responsive": True, "displaylogo": False})
         link = f' <a href="figures/{html.escape(name)}.png">PNG</a>' if pngs else ""
-        parts.append(f'<section class="fig" id="{html.escape(name)}"><h3>{html.escape(heading)}{link}</h3>{div}'
+        cap = figure_caption(name)
+        cap = f'<p class="cap">{html.escape(cap)}</p>' if cap else ""
+        parts.append(f'<section class="fig" id="{html.escape(name)}"><h3>{html.escape(heading)}{link}</h3>{div}{cap}'
                      "</section>")
     nav = "".join(f'<a href="#{html.escape(n)}">{html.escape(h)}</a>' for n, (h, _) in figs.items())
     warn = "" if (pngs or not png or not figs) else (
@@ -334,6 +390,7 @@ problems, mean over evaluation seeds.</p>
 <h1>{html.escape(title)}</h1>
 <p class="sub">{table.height} run(s): {runs}. Written {stamp} by opsd.report from the runs' saved metrics and eval
 rows.</p>
+{report_lead(table)}
 {warn}
 {_extra_tables(tables)}
 {runs_html}

@@ -57,6 +57,14 @@ def test_quick_demo_outputs_are_consistent(quick_demo):
     import re
     prog = re.findall(r"training (\d+)/(\d+) steps \(\d+%\), (\d)/6 runs trained", stdout)
     assert prog and all(int(a) <= int(b) for a, b, _ in prog), stdout[-2000:]
+    # the report opens with what the numbers mean, shows the effects as a table, a caption under each figure, and one
+    # completion per clip mode token by token
+    page = (out / "report-soft" / "index.html").read_text()
+    assert page.count('<p class="lead">') == 2 and "<b>How to read it.</b>" in page
+    assert "<th>effect</th>" in page and "held-out acc change" not in page.split("<pre>")[0].split("<table>")[0]
+    assert page.count('<p class="cap">') >= page.count('<section class="fig" id="') - page.count('id="token-view-')
+    views = re.findall(r"<h3>(soft-\w+-s0)</h3>", page)
+    assert sorted(views) == ["soft-entry-s0", "soft-none-s0", "soft-scaled-s0"], views
     for seed in (0, 1):
         runs = {m: out / f"soft-{m}-s{seed}" for m in ("entry", "scaled", "none")}
         for mode, rd in runs.items():
