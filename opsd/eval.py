@@ -317,7 +317,13 @@ def checkpoint_fingerprint(checkpoint) -> str:
     if a is None:
         raise FileNotFoundError(f"{checkpoint}: no LoRA adapter (adapter_config.json) in it or in a sub-folder")
     f = a / "adapter_model.safetensors"
-    return weights_fingerprint(f if f.exists() else a)   # cached per process (05a_repro)
+    try:
+        return weights_fingerprint(f if f.exists() else a)   # cached per process (05a_repro)
+    except Exception as e:   # safetensors' reader on a cut or damaged file
+        if type(e).__name__ != "SafetensorError" and not isinstance(e, (OSError, EOFError)):
+            raise
+        raise ValueError(f"checkpoint file {f}: not readable ({str(e).splitlines()[0][:200]}): truncated or "
+                         "corrupted") from None
 
 
 def base_fingerprint(model, model_path=None) -> str:
