@@ -31,12 +31,12 @@ from .runs import write_checksums, verify_checkpoint, _fresh_blockers
 from .data import data_record_of, check_special_tokens
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'patch', 'COLLAPSE_ENTROPY', 'RESUME_MAY_DIFFER', 'add_lora', 'trainable', 'decoder_of',
-           'set_checkpointing', 'bf16_adapter_compute', 'Teacher', 'save_checkpoint', 'read_trainer_state',
-           'load_checkpoint', 'StepPlan', 'Samples', 'PendingRollout', 'BackwardResult', 'UpdateResult', 'Timings',
-           'rollout_engine_kw', 'engine_settings', 'OPSDTrainer', 'length_groups', 'padded_share', 'Interrupted',
-           'divergence', 'check_writable', 'check_same_data', 'config_differences', 'check_run_config',
-           'check_same_base', 'base_fingerprint', 'train']
+__all__ = ['CHECKPOINT_FORMAT', 'patch', 'COLLAPSE_ENTROPY', 'WEIGHT_LIMIT', 'RESUME_MAY_DIFFER', 'add_lora', 'trainable',
+           'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher', 'save_checkpoint',
+           'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'PendingRollout', 'BackwardResult',
+           'UpdateResult', 'Timings', 'rollout_engine_kw', 'engine_settings', 'OPSDTrainer', 'length_groups',
+           'padded_share', 'Interrupted', 'divergence', 'check_writable', 'check_same_data', 'config_differences',
+           'check_run_config', 'check_same_base', 'base_fingerprint', 'train']
 
 # %% ../nbs/06_train.ipynb #8b368d88
 def add_lora(model, cfg: OPSDConfig):
@@ -697,6 +697,7 @@ def _keep_positions(self: OPSDTrainer, step: int, back: BackwardResult):
 
 # %% ../nbs/06_train.ipynb #e5b9b697
 COLLAPSE_ENTROPY = 0.99   # student entropy at or above this share of log(vocabulary), with a zero gradient: collapsed
+WEIGHT_LIMIT = 1e6        # an adapter weight beyond this magnitude: the update blew up (LoRA weights stay far below 1)
 
 class Interrupted(KeyboardInterrupt):
     "SIGINT or SIGTERM during training: a checkpoint was saved (or the second signal aborted); exit 128 + signum."
@@ -712,6 +713,8 @@ def divergence(row: dict, # a metrics row of the step
         if v is not None and not math.isfinite(v): return f"the {k.replace('_', ' ')} is {v}"
     if not all(bool(torch.isfinite(p).all()) for p in params):
         return "the adapter weights are no longer finite after the update"
+    big = max((float(p.detach().abs().max()) for p in params if p.numel()), default=0.0)
+    if big > WEIGHT_LIMIT: return f"an adapter weight reached {big:.3g} after the update (limit {WEIGHT_LIMIT:g})"
     ent = row.get("entropy/student")
     if vocab and row.get("grad_norm") == 0.0 and ent is not None and ent >= COLLAPSE_ENTROPY * math.log(vocab):
         return (f"the policy collapsed to uniform output (student entropy {ent:.3f} nats, log V = {math.log(vocab):.3f}) "
@@ -907,7 +910,10 @@ def _loop(self: OPSDTrainer, start: int, stop_after: int | None) -> Path:
     try:
         for step in bar:
             self._positions = None
-            row = self.step(step)
+            try: row = self.step(step)
+            except RuntimeError as e:   # sampling from weights that overflowed (torch.multinomial's check)
+                if "inf" not in str(e) or "nan" not in str(e): raise
+                raise self.diverged(step, f"the rollout's probabilities are not finite ({str(e)[:60]})") from None
             why = divergence(row, self.params, self.vocab_size)
             self.step_done = step
             if self.acc.is_main_process:
