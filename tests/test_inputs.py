@@ -339,9 +339,9 @@ def test_bad_input_in_a_worker_process_is_one_line(monkeypatch, capsys):
 def test_eval_grades_held_out_rows_under_the_setting_it_names(ctx, capsys):
     """`opsd train --data FILE` holds out rows (data.json) and trains on the rest; `opsd eval RUN` (no --data) grades
     only those, and each call prints the numbers of its own setting: budget 4, then 12, then 4 again prints the
-    4-token setting's numbers (once it printed the latest-written setting's). Breaks that made it fail: World.problems
-    returning the file's first n rows for split 'test' (graded ids include trained ones); eval_runs summarising the
-    'latest' setting instead of this call's (the third table shows the 12-token setting)."""
+    4-token setting's numbers (once it printed the latest-written setting's). Breaks that made it fail: cmd_eval grading
+    the file's first n rows (as before: ids 0, 1, 2, trained on); eval_runs summarising the 'latest' setting instead of
+    this call's (the third table shows the 12-token setting)."""
     rec = json.loads((ctx.run / "data.json").read_text())
     rows = [json.loads(x) for x in ctx.data.read_text().splitlines()]
     held = set(rec["heldout_ids"])

