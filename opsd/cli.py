@@ -205,7 +205,8 @@ def cmd_padding(a):
     from opsd.rollout import SamplingConfig
     w = resolve_world(a.model, data=a.data)
     w.check_model()
-    problems = w.problems(max(a.n, 64), seed=a.seed, split="test")
+    # a data file is measured whole (no model is graded here, so its held-out split does not apply)
+    problems = list(load_problems(a.data)) if a.data else w.problems(max(a.n, 64), seed=a.seed, split="test")
     model, tok = load_model(w.path, "float32")
     budget = a.max_new_tokens or (64 if w.kind == "toy" else w.eval.get("max_new_tokens") or 256)
     sampling = SamplingConfig(max_new_tokens=budget, seed=a.seed)
