@@ -23,7 +23,8 @@ SMALL = ["batch_size=2", "micro_batch_size=2", "max_completion_length=8", "lora_
 def train_argv(c, *extra, sets=(), run=None, data=None, model=None):
     "`opsd train` of the tiny model with the base run's settings, plus `extra` flags and `sets` --set items."
     return ["train", "--model", str(model or c.ckpt), "--data", str(data or c.data),
-            "--run-dir", str(c.run if run is None else run), "--steps", "2", "--save-every", "1", "--quiet", *map(str, extra), "--set", *SMALL, *sets]
+            "--run-dir", str(c.run if run is None else run), "--steps", "2", "--save-every", "1", "--quiet",
+            *map(str, extra), "--set", *SMALL, *sets]
 
 
 def tree(folder: Path) -> dict:
