@@ -15,8 +15,9 @@ __all__ = ['QWEN3_CHAT_TEMPLATE', 'QWEN3_ADDED_TOKENS', 'QWEN3_FIRST_ADDED_ID', 
            'QWEN3_PAT_STR', 'RELEASED_GUARD', 'HOLDOUT_SHARE', 'HOLDOUT_MIN_ROWS', 'user_cache_dir', 'qwen3_tokenizer',
            'PromptConfig', 'student_user_text', 'teacher_user_text', 'student_prompt', 'teacher_prompt', 'prompt_ids',
            'student_prompt_ids', 'teacher_prompt_ids', 'build_prompts', 'last_boxed', 'Problems', 'InvalidRow',
-           'load_problems', 'model_context', 'check_context', 'check_out_folder', 'file_sha256', 'holdout_split',
-           'data_record', 'data_record_of', 'grade_mode_for', 'special_token_texts', 'check_special_tokens']
+           'load_problems', 'model_context', 'check_context', 'check_run_path', 'check_out_folder', 'file_sha256',
+           'holdout_split', 'data_record', 'data_record_of', 'grade_mode_for', 'special_token_texts',
+           'check_special_tokens']
 
 # %% ../nbs/03_data.ipynb #be7e92f0
 QWEN3_CHAT_TEMPLATE = (
@@ -389,11 +390,19 @@ def check_context(prompt_ids:list[list[int]], # token ids of each prompt
                      f"{what} tokens); shorten or drop them, or lower max_new_tokens")
 
 # %% ../nbs/03_data.ipynb #afd6815b
+def check_run_path(path, what:str="run folder")->Path:
+    "Refuse an empty path (the working folder) or one starting with an unexpanded `~` (a folder literally named ~)."
+    s = str(path)
+    if not s.strip(): raise ValueError(f"{what}: the path is empty; give a folder path (an empty one would be the "
+                                       "working folder)")
+    if s.startswith("~"): raise ValueError(f"{what} {s!r}: starts with '~', which the shell did not expand (quoted?); "
+                                           "write the full path")
+    return Path(s)
+
 def check_out_folder(path:str|Path, # a folder opsd will create or write into
                      what:str="output folder", # names it in the message ('run folder', '--out', ...)
                     )->Path:
     "Refuse, before anything is written, a folder path that is empty, unexpanded (~), a file, under a file, unwritable."
-    from opsd.runs import check_run_path
     p = check_run_path(path, what)
     if p.exists() and not p.is_dir():
         raise NotADirectoryError(f"{what} {p}: is a file, not a folder; give a folder path (or move the file away)")

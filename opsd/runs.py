@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Iterable
 import polars as pl
 
+from .data import check_run_path
+
 # %% auto #0
 __all__ = ['CHECKSUMS', 'CHECKPOINT_FILES', 'DTYPES', 'disk_full', 'full_error', 'write_bytes', 'append_jsonl', 'jsonl_rows',
            'read_jsonl', 'write_atomic', 'rewrite_jsonl', 'checkpoint_step', 'adapter_dir', 'is_checkpoint',
-           'check_run_path', 'write_checksums', 'verify_checkpoint', 'RunDir', 'read_metrics', 'read_positions',
-           'read_eval', 'read_config', 'latest_checkpoint', 'list_checkpoints', 'run_folders', 'RunData', 'read_run',
-           'torch_dtype', 'with_adapter', 'check_model_path', 'load_tokenizer', 'end_token_mismatch', 'load_model']
+           'write_checksums', 'verify_checkpoint', 'RunDir', 'read_metrics', 'read_positions', 'read_eval',
+           'read_config', 'latest_checkpoint', 'list_checkpoints', 'run_folders', 'RunData', 'read_run', 'torch_dtype',
+           'with_adapter', 'check_model_path', 'load_tokenizer', 'end_token_mismatch', 'load_model']
 
 # %% ../nbs/05b_runs.ipynb #ee9d6b82
 _FULL = (errno.ENOSPC, errno.EFBIG)   # no space left on the device; a file size limit (ulimit -f, quotas)
@@ -134,15 +136,6 @@ def is_checkpoint(path: str | Path) -> bool:
     "The one rule: a folder named step-N that holds an adapter (the trainer writes a temporary name, then renames)."
     path = Path(path)
     return path.is_dir() and re.fullmatch(r"step-\d+", path.name) is not None and adapter_dir(path) is not None
-
-def check_run_path(path, what: str = "run folder") -> Path:
-    "Refuse an empty path (the working folder) or one starting with an unexpanded `~` (a folder literally named ~)."
-    s = str(path)
-    if not s.strip(): raise ValueError(f"{what}: the path is empty; give a folder path (an empty one would be the "
-                                       "working folder)")
-    if s.startswith("~"): raise ValueError(f"{what} {s!r}: starts with '~', which the shell did not expand (quoted?); "
-                                           "write the full path")
-    return Path(s)
 
 CHECKSUMS = "checksums.json"   # in each checkpoint: sha256 of every file opsd wrote there (its manifest)
 CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md", "trainer_state.pt",
