@@ -5,6 +5,8 @@
 #   bash dev.sh opsd ARGS...               any opsd command inside the project's environment
 #   bash dev.sh readme                     regenerate README.md from nbs/index.ipynb
 #   bash dev.sh docs                       offline HTML pages of all notebooks in _docs_offline/ (no quarto)
+#   bash dev.sh lab [jupyter lab options]  JupyterLab: interactive figures, saved as one PNG each (+ nbdev_clean)
+#   bash dev.sh clean                      the clean step: live figures back to their PNG, then nbdev_clean
 # Both create (once) and reuse a local virtual environment in .venv, installing torch's CPU
 # wheel first where there is no GPU, then the pinned set in requirements-cpu.txt.
 set -euo pipefail
@@ -91,6 +93,16 @@ docs() {  # nbdev_docs needs quarto (not installable offline): standalone pages 
   echo "[dev.sh] index: $PWD/_docs_offline/index.html   contents: $PWD/_docs_offline/contents.html"
 }
 
+lab() {  # figures are interactive in the live kernel; each save keeps one PNG per figure and cleans like nbdev_clean
+  exec "$VENV/bin/jupyter" lab --ContentsManager.pre_save_hook=opsd.plots.jupyter_pre_save "$@"
+}
+
+clean() {  # what a save in `bash dev.sh lab` does, for notebooks saved elsewhere
+  find nbs -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' -print0 \
+    | xargs -0 "$PY" -c 'import sys; from opsd.plots import keep_png_files; [print("[dev.sh] figures kept as PNG:", p) for p in keep_png_files(sys.argv[1:])]'
+  "$VENV/bin/nbdev_clean"
+}
+
 cmd="${1:-help}"; shift || true
 case "$cmd" in
   demo) setup; need_chromium; exec "$VENV/bin/opsd" demo "$@" ;;
@@ -99,5 +111,7 @@ case "$cmd" in
   setup) setup ;;
   readme) setup; readme ;;
   docs) setup; docs ;;
-  *) sed -n '2,10p' "$0"; exit 2 ;;
+  lab) setup; lab "$@" ;;
+  clean) setup; clean ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
 esac

@@ -4,65 +4,40 @@
 
 # %% ../nbs/10c_analyze.ipynb #b0778fbc
 from __future__ import annotations
-import html, json, re, time
-from dataclasses import replace
+import html, json, time
 from pathlib import Path
 
 import polars as pl
 import torch
 
-from .data import PromptConfig, student_prompt_ids, teacher_prompt
+from .data import PromptConfig, student_prompt_ids, TEACHER_CONTEXTS, teacher_context_prompt
 from .collate import collate, batch_logits, pad_eos_ids
 from .rollout import HFRollout, SamplingConfig
 from .loss import divergence_terms, entry_kept
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, POSITION_KEYS
 
 # %% auto #0
-__all__ = ['TEACHER_PROMPTS', 'no_reference_template', 'teacher_prompts', 'kl_bands', 'privilege_audit', 'analyze',
+__all__ = ['TEACHER_PROMPTS', 'AUDIT_CONTEXT', 'teacher_prompts', 'kl_bands', 'privilege_audit', 'audit_teachers', 'analyze',
            'position_view', 'token_view_data', 'kl_bin', 'token_view_html', 'token_view_page', 'format_analysis',
            'analysis_json', 'write_analysis', 'add_analyze_args', 'cmd_analyze']
 
 # %% ../nbs/10c_analyze.ipynb #f12be9c7
 TEACHER_PROMPTS = ("released", "no_reference", "wrong_reference")  # the counterfactual teacher prompts of the audit
-_REF_FIELDS = ("{begin}", "{solution}", "{end}", "{guard}")
-
-def no_reference_template(template: str, # a teacher template (PromptConfig.teacher_template)
-                         ) -> str: # the template without its reference block
-    "The teacher's template with the reference block (and the line announcing it) cut out."
-    lines = template.split("\n")
-    hit = [i for i, line in enumerate(lines) if any(f in line for f in _REF_FIELDS)]
-    if not any("{solution}" in line for line in lines):
-        raise ValueError(f"teacher_template has no {{solution}} field, so no reference block to remove: {template!r}")
-    i, j = hit[0], hit[-1]
-    while i > 0 and lines[i - 1].strip() and "{problem}" not in lines[i - 1]: i -= 1   # the line announcing it
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines[:i] + lines[j + 1:]))
-
-def _other_solution(problems: list[dict], i: int) -> str:
-    "The reference solution of the next problem (cyclically) whose solution differs from problem i's."
-    own = problems[i]["solution"]
-    for k in range(1, len(problems)):
-        s = problems[(i + k) % len(problems)]["solution"]
-        if s != own: return s
-    raise ValueError(f"wrong_reference: no other problem with a solution different from row {i}'s "
-                     "(give at least 2 problems with distinct solutions)")
+AUDIT_CONTEXT = dict(zip(TEACHER_PROMPTS, TEACHER_CONTEXTS))   # each audit prompt is a training `teacher_context`
 
 def teacher_prompts(tokenizer, problems: list[dict], # problem records (problem, solution)
                          cfg: PromptConfig | None = None, # the world's prompt wording
                          teachers=TEACHER_PROMPTS, # which counterfactual prompts
                         ) -> dict[str, list[str]]: # teacher prompt name -> one prompt text per problem
     "Each problem's teacher prompt under each counterfactual: released, no reference, another problem's reference."
-    cfg = cfg or PromptConfig()
     unknown = [t for t in teachers if t not in TEACHER_PROMPTS]
     if unknown: raise ValueError(f"unknown teacher prompt(s) {unknown}: choose from {TEACHER_PROMPTS}")
     for i, p in enumerate(problems):
         for f in ("problem", "solution"):
             if not isinstance(p.get(f), str):
                 raise ValueError(f"problem row {i}: field {f!r} must be a string, got {p.get(f)!r}")
-    noref = replace(cfg, teacher_template=no_reference_template(cfg.teacher_template))
-    make = dict(released=lambda i, p: teacher_prompt(tokenizer, p["problem"], p["solution"], cfg),
-                no_reference=lambda i, p: teacher_prompt(tokenizer, p["problem"], "", noref),
-                wrong_reference=lambda i, p: teacher_prompt(tokenizer, p["problem"], _other_solution(problems, i), cfg))
-    return {t: [make[t](i, p) for i, p in enumerate(problems)] for t in teachers}
+    return {t: [teacher_context_prompt(tokenizer, problems, i, AUDIT_CONTEXT[t], cfg) for i in range(len(problems))]
+            for t in teachers}
 
 # %% ../nbs/10c_analyze.ipynb #79d33a7b
 _KL_BANDS = (("bottom 50%", 0.0, 0.5), ("50-90%", 0.5, 0.9), ("top 10%", 0.9, 1.0))  # positions by true-KL rank share
@@ -103,13 +78,32 @@ def _bands(pos: pl.DataFrame, teachers) -> pl.DataFrame:
     return pl.DataFrame(out)
 
 def privilege_audit(summary: pl.DataFrame, # `analyze(...)['summary']`
-                   ) -> dict: # kl per prompt; parts and their shares of the released KL
-    "Split the released KL: prompt change (no reference), reference text (wrong - none), privilege (released - wrong)."
+                   ) -> dict: # kl per prompt; parts; their shares of the released KL (only where all parts >= 0); note
+    """Split the released KL: prompt change (no reference), reference text (wrong - none), privilege (released - wrong).
+    Shares of the released KL are given only when no part is negative: with parts of both signs the released KL is a
+    small difference of larger parts, and a share such as 1139% says nothing; the note then says so."""
     kl = dict(zip(summary["teacher"].to_list(), summary["kl/true"].to_list()))
     if not set(TEACHER_PROMPTS) <= set(kl): return dict(kl=kl)
     r, n, w = kl["released"], kl["no_reference"], kl["wrong_reference"]
     parts = dict(prompt_change=n, reference_text=w - n, privilege=r - w)
-    return dict(kl=kl, parts=parts, shares={k: (v / r if r > 0 else float("nan")) for k, v in parts.items()})
+    if r > 0 and all(v >= 0 for v in parts.values()):
+        return dict(kl=kl, parts=parts, shares={k: v / r for k, v in parts.items()}, note=None)
+    neg = [k.replace("_", " ") for k, v in parts.items() if v < 0]
+    why = f"{' and '.join(neg)} {'is' if len(neg) < 2 else 'are'} negative" if neg else "the released KL is 0"
+    return dict(kl=kl, parts=parts, shares={}, note=f"no shares: {why}, so the parts do not divide the released KL; "
+                "compare the parts themselves (nats per position)")
+
+# %% ../nbs/10c_analyze.ipynb #f6ede01d
+def audit_teachers(pool: list[dict], # the problem records analyze draws from
+                   teachers=TEACHER_PROMPTS, # the teacher prompts asked for
+                  ) -> tuple[tuple, list[str]]: # the prompts that can be built, notes on those left out
+    "The teacher prompts `pool` allows: wrong_reference needs two distinct solutions (else left out, with a note)."
+    teachers = tuple(teachers)
+    if "wrong_reference" in teachers and len({p.get("solution") for p in pool}) < 2:
+        return tuple(t for t in teachers if t != "wrong_reference"), [
+            "wrong_reference skipped: the problems given have no second, different solution to show the teacher "
+            "(give 2+ problems for the privilege audit)"]
+    return teachers, []
 
 # %% ../nbs/10c_analyze.ipynb #800a8d46
 @torch.no_grad()
@@ -136,6 +130,7 @@ def analyze(model_path, # a model folder (from_pretrained), or a loaded (model, 
     model.eval()
     pool, cfg, t0 = list(problems)[:max(n, 2)], prompt_config or PromptConfig(), time.perf_counter()
     problems = pool[:n]   # the wrong reference of row i comes from the pool (so n = 1 works when 2 problems are given)
+    teachers, notes = audit_teachers(pool, teachers)   # one problem alone: no wrong reference to show, said in notes
     s_prompts = [student_prompt_ids(tok, p["problem"], cfg) for p in problems]
     t_prompts = {k: [tok(x, add_special_tokens=False)["input_ids"] for x in v[:n]]
                  for k, v in teacher_prompts(tok, pool, cfg, teachers).items()}
@@ -175,6 +170,7 @@ def analyze(model_path, # a model folder (from_pretrained), or a loaded (model, 
     config = dict(model=name, n=n, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                   top_k=top_k, tau=tau, teachers=list(teachers), padding="aligned")
     return dict(summary=summary, bands=_bands(pos, teachers), positions=pos, audit=privilege_audit(summary), view=view,
+                notes=notes,
                 completions=ro.completion_ids, finish_reason=ro.finish_reason,
                 prompts=dict(student=s_prompts, **t_prompts), problems=problems, config=config,
                 timing=dict(generate_s=t_gen - t0, score_s=t_score - t_gen, completion_tokens=ro.num_tokens))
@@ -226,6 +222,7 @@ _TV_CSS = """
 .opsd-tv .lg .c{display:inline-block;padding:0 .45rem;border:1px solid #ccc;border-radius:3px}
 .opsd-tv .txt{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;line-height:1.9;white-space:pre-wrap;
  border:1px solid #e3e3e3;padding:.6rem;border-radius:4px;background:#fafafa}
+.opsd-tv .txt.pinned{padding-bottom:12rem}
 .opsd-tv .tok{position:relative;cursor:pointer;border-radius:2px;padding:1px 0}
 .opsd-tv .tok.am{border-bottom:3px solid #2b6cb0}
 .opsd-tv .tok:hover,.opsd-tv .tok:focus,.opsd-tv .tok.pin{outline:2px solid #333;outline-offset:0}
@@ -296,7 +293,8 @@ def token_view_html(view: dict, # from `token_view_data` (or `analyze(...)['view
           '<span>clipped entries: summand t<sub>v</sub>(log t<sub>v</sub> \u2212 log s<sub>v</sub>) &gt; \u03c4'
           '</span></div>')
     return (f'<!-- opsd:token-view -->\n<div class="opsd-tv"><style>{_TV_CSS}</style>{head}{lg}'
-            f'<div class="txt">{"".join(spans)}</div></div>\n<!-- /opsd:token-view -->')
+            f'<div class="txt{" pinned" if pin is not None else ""}">{"".join(spans)}</div></div>\n'   # room for the open card
+            '<!-- /opsd:token-view -->')
 
 def token_view_page(view: dict, pin: int | None = None, title: str = "OPSD token view") -> str:
     "A standalone HTML page holding the token view (opens offline)."
@@ -331,13 +329,16 @@ def format_analysis(result: dict) -> str:
     a = result["audit"]
     if "parts" in a:
         s, p = a["shares"], a["parts"]
-        lines.append(f"privilege audit of the released KL {a['kl']['released']:.4f}: prompt change (no reference vs "
-                     f"student) {p['prompt_change']:.4f} ({s['prompt_change']:.0%}); reference text (wrong - none) "
-                     f"{p['reference_text']:+.4f} ({s['reference_text']:.0%}); privilege (released - wrong) "
-                     f"{p['privilege']:+.4f} ({s['privilege']:.0%})")
+        pc = lambda k: f" ({s[k]:.0%})" if s else ""   # shares only where every part is >= 0
+        lines.append(f"privilege audit of the released KL {a['kl']['released']:.4f} (nats/position) = prompt change "
+                     f"(no reference vs student) {p['prompt_change']:.4f}{pc('prompt_change')} + reference text "
+                     f"(wrong - none) {p['reference_text']:+.4f}{pc('reference_text')} + privilege (released - wrong) "
+                     f"{p['privilege']:+.4f}{pc('privilege')}")
+        if a.get("note"): lines.append(f"  {a['note']}")
         if p["privilege"] < 0:
             lines.append("  privilege < 0: with its own reference the teacher sits closer to the student's samples than "
                          "with another problem's")
+    lines += result.get("notes", [])
     return "\n".join(lines)
 
 def analysis_json(result: dict) -> dict:

@@ -228,6 +228,15 @@ def _add_analyze(sub):
     add_analyze_args(p); p.set_defaults(fn=cmd_analyze)
     return p
 
+# %% ../nbs/11_cli.ipynb #a0a45575
+def _add_export(sub):
+    "Register `opsd export` (its options and command live in opsd.export, nbs/10d_export.ipynb)."
+    from opsd.export import add_export_args, cmd_export
+    p = sub.add_parser("export", help="a run's student merged into its base: a from_pretrained (and vLLM) folder with "
+                       "a model card")
+    add_export_args(p).set_defaults(fn=cmd_export)
+    return p
+
 # %% ../nbs/11_cli.ipynb #3d8c7003
 def parser() -> argparse.ArgumentParser:
     "The `opsd` argument parser: one subcommand per job."
@@ -280,6 +289,7 @@ def parser() -> argparse.ArgumentParser:
                      help="completion budget of the sampled batch (default: toy 64, else the world's eval budget or 256)")
     pd_.set_defaults(fn=cmd_padding)
     _add_analyze(sub)
+    _add_export(sub)
     return p
 
 # bad input: these types, raised by opsd with a message (or by the OS about a path), are one line and exit code 2

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
 from .loss import CLIP_MODES
-from .data import PromptConfig
+from .data import PromptConfig, TEACHER_CONTEXTS, no_reference_template
 from .collate import PAD_MODES
 from .kernels import DECODER_KERNELS
 from .runs import DTYPES
@@ -53,6 +53,9 @@ class OPSDConfig:
     teacher: str = "fixed"  # 'fixed' (adapters disabled), 'ema', 'live'
     ema_decay: float = 0.999  # the release's EMA decay
     ema_start: str = "first_update"  # 'first_update' (released: set from the student after the first update), 'init'
+    teacher_context: str = "reference"  # what the teacher's prompt holds: 'reference' (its own reference solution,
+    #                                     the release), 'none' (the reference block cut out) or 'wrong' (another
+    #                                     problem's reference): opsd.data.teacher_context_prompt
     # -- the layout of a micro-batch
     padding: str = "released"  # 'released' (right-padded prompts: the pad gap consumes positions), 'aligned' (every
     #                            row numbered from 0) or 'packed' (aligned rows end to end without pad columns, attention
@@ -110,11 +113,14 @@ class OPSDConfig:
     prompt: dict = field(default_factory=dict)  # overrides of opsd.data.PromptConfig fields (the prompts' wording)
     # -- logging
     log_positions: int = 0  # per-position instruments sampled per step into positions.jsonl
+    report_to: str = "none"  # trackers that get each metrics row: 'none', 'tensorboard', 'wandb', 'trackio', ...
+    #                          (comma-separated; accelerate's tracker classes; opsd.trackers)
 
     def __post_init__(self):
         for f in dataclasses.fields(self): setattr(self, f.name, _check_type(f, getattr(self, f.name)))
         checks = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=LAYOUTS, scheduler=SCHEDULERS,
-                      objective=OBJECTIVES, rollout=ROLLOUTS, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES,
+                      objective=OBJECTIVES, teacher_context=TEACHER_CONTEXTS, rollout=ROLLOUTS, normalize=NORMALIZE,
+                      ema_start=EMA_STARTS, dtype=DTYPES,
                       loss_kernel=LOSS_KERNELS, decoder_kernels=DECODER_KERNELS,
                       rollout_quantization=(None, "fp8"), rollout_kv_cache=("auto", "fp8"))
         for k, allowed in checks.items():
@@ -144,6 +150,10 @@ class OPSDConfig:
         valid = [f.name for f in dataclasses.fields(PromptConfig)]
         bad = sorted(set(self.prompt) - set(valid))
         if bad: raise ValueError(f"config field prompt: unknown key(s) {bad}; valid keys: {valid}")
+        from opsd.trackers import parse_report_to; parse_report_to(self.report_to)   # a known tracker name, or 'none'
+        if self.teacher_context == "none":   # a template without a reference block has nothing to cut
+            try: no_reference_template(PromptConfig(**self.prompt).teacher_template)
+            except ValueError as e: raise ValueError(f"config field teacher_context='none': {e}") from None
         if self.async_rollout: self.vllm_sleep = False   # the engine stays awake: it samples while training runs
         if self.length_grouping and (self.padding == "released" or self.normalize != "global"):
             raise ValueError(f"config field length_grouping=True needs padding='aligned' (or 'packed') and "

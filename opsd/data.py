@@ -6,15 +6,16 @@
 from __future__ import annotations
 import dataclasses, hashlib, json, os, re, shutil, tempfile, warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 # %% auto #0
 __all__ = ['QWEN3_CHAT_TEMPLATE', 'QWEN3_ADDED_TOKENS', 'QWEN3_FIRST_ADDED_ID', 'QWEN3_VOCAB_SIZE', 'QWEN3_NOT_SPECIAL',
-           'QWEN3_PAT_STR', 'RELEASED_GUARD', 'HOLDOUT_SHARE', 'HOLDOUT_MIN_ROWS', 'user_cache_dir', 'qwen3_tokenizer',
-           'PromptConfig', 'student_user_text', 'teacher_user_text', 'student_prompt', 'teacher_prompt', 'prompt_ids',
-           'student_prompt_ids', 'teacher_prompt_ids', 'build_prompts', 'last_boxed', 'Problems', 'InvalidRow',
+           'QWEN3_PAT_STR', 'RELEASED_GUARD', 'TEACHER_CONTEXTS', 'HOLDOUT_SHARE', 'HOLDOUT_MIN_ROWS', 'user_cache_dir',
+           'qwen3_tokenizer', 'PromptConfig', 'student_user_text', 'teacher_user_text', 'student_prompt',
+           'teacher_prompt', 'prompt_ids', 'student_prompt_ids', 'teacher_prompt_ids', 'build_prompts',
+           'no_reference_template', 'other_reference', 'teacher_context_prompt', 'last_boxed', 'Problems', 'InvalidRow',
            'load_problems', 'model_context', 'check_context', 'check_run_path', 'check_out_folder', 'file_sha256',
            'holdout_split', 'data_record', 'data_record_of', 'grade_mode_for', 'special_token_texts',
            'check_special_tokens']
@@ -220,6 +221,53 @@ def build_prompts(tokenizer, records:Iterable[dict], cfg:PromptConfig|None=None)
     records = list(records)
     return dict(student=[student_prompt(tokenizer, r["problem"], cfg) for r in records],
                 teacher=[teacher_prompt(tokenizer, r["problem"], r["solution"], cfg) for r in records])
+
+# %% ../nbs/03_data.ipynb #05af5dd9
+TEACHER_CONTEXTS = ("reference", "none", "wrong")  # the teacher reads its own reference, none, or another problem's
+_REF_FIELDS = ("{begin}", "{solution}", "{end}", "{guard}")
+
+def no_reference_template(template: str, # a teacher template (PromptConfig.teacher_template)
+                         ) -> str: # the template without its reference block
+    "The teacher's template with the reference block (and the line announcing it) cut out."
+    lines = template.split("\n")
+    if not any("{solution}" in line for line in lines):
+        raise ValueError(f"teacher_template has no {{solution}} field, so no reference block to remove: "
+                         f"{template[:80]!r}")
+    hit = [i for i, line in enumerate(lines) if any(f in line for f in _REF_FIELDS)]
+    i, j = hit[0], hit[-1]
+    while i > 0 and lines[i - 1].strip() and "{problem}" not in lines[i - 1]: i -= 1   # the line announcing it
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines[:i] + lines[j + 1:]))
+
+def _answer_key(p: dict) -> str:
+    a = p.get("answer")
+    return str(a).strip() if a not in (None, "") else p["solution"]
+
+def other_reference(problems: Sequence[dict], # the pool (problem records)
+                    i: int, # the problem whose teacher reads another problem's reference
+                   ) -> int: # index of the problem whose reference it reads
+    "The next problem after i (cyclically) whose answer (where records have one, else solution) differs from i's."
+    own = _answer_key(problems[i])
+    for k in range(1, len(problems)):
+        j = (i + k) % len(problems)
+        if _answer_key(problems[j]) != own and problems[j]["solution"] != problems[i]["solution"]: return j
+    raise ValueError(f"teacher_context='wrong': no problem with an answer different from row {i}'s among the "
+                     f"{len(problems)} given (give at least 2 problems with distinct answers)")
+
+def teacher_context_prompt(tokenizer, problems: Sequence[dict], # the pool (problem records: problem, solution)
+                           i: int, # which problem
+                           context: str = "reference", # one of TEACHER_CONTEXTS
+                           cfg: PromptConfig | None = None, # the world's prompt wording
+                          ) -> str: # problem i's teacher prompt text under that context
+    "Problem i's teacher prompt with its own reference, with none, or with another problem's (`other_reference`)."
+    cfg = cfg or PromptConfig()
+    if context not in TEACHER_CONTEXTS:
+        raise ValueError(f"teacher_context must be one of {TEACHER_CONTEXTS}, got {context!r}")
+    p = problems[i]
+    if context == "none":
+        return teacher_prompt(tokenizer, p["problem"], "",
+                              replace(cfg, teacher_template=no_reference_template(cfg.teacher_template)))
+    ref = p["solution"] if context == "reference" else problems[other_reference(problems, i)]["solution"]
+    return teacher_prompt(tokenizer, p["problem"], ref, cfg)
 
 # %% ../nbs/03_data.ipynb #cc6cb049
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")

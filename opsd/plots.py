@@ -13,8 +13,9 @@ import polars as pl
 from plotly.subplots import make_subplots
 
 # %% auto #0
-__all__ = ['PNG_MAX_COLORS', 'CLIP_COLORS', 'CLIP_ORDER', 'TEMPLATE', 'png_pixels', 'compress_png', 'find_chrome', 'kaleido_ok',
-           'notebook_figures', 'clip_color', 'over_steps', 'synthetic_metrics', 'kl_drift', 'loss_by_clip',
+__all__ = ['PNG_MAX_COLORS', 'LIVE_MIME', 'PLOTLY_MIME', 'CLIP_COLORS', 'CLIP_ORDER', 'TEMPLATE', 'png_pixels', 'compress_png',
+           'find_chrome', 'kaleido_ok', 'live_kernel', 'notebook_figures', 'keep_png', 'jupyter_pre_save',
+           'keep_png_files', 'clip_color', 'over_steps', 'synthetic_metrics', 'kl_drift', 'loss_by_clip',
            'entry_loss_sign', 'argmax_clipped', 'argmax_clipped_vs_tau', 'clipped_mass_vs_divergence',
            'synthetic_positions', 'grad_cos', 'by_kl_band', 't_quantile', 'seed_interval', 'accuracy',
            'synthetic_eval_summary']
@@ -162,10 +163,35 @@ def kaleido_ok() -> bool:
     return _KALEIDO_OK
 
 
+LIVE_MIME = "application/vnd.opsd.live-figure+json"   # marks a live bundle: its PNG's sha1 and how it was rendered
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def live_kernel() -> bool:
+    "True in a kernel that a Jupyter server started for a user (JupyterLab, Notebook 7); OPSD_LIVE_FIGURES=1/0 decides."
+    import os
+    flag = os.environ.get("OPSD_LIVE_FIGURES", "")
+    if flag in ("0", "1"): return flag == "1"
+    return bool(os.environ.get("JPY_SESSION_NAME"))   # set by jupyter_server for its kernels; not by nbconvert/nbdev_test
+
+
 class _LayoutPng(PngRenderer):
-    "Compressed-PNG renderer that keeps a figure's own layout width/height and falls back to fixed defaults."
+    """Compressed-PNG renderer that keeps a figure's own layout width/height and falls back to fixed defaults.
+    `live`: the bundle also carries the figure's plotly JSON (JupyterLab shows the PNG, then the interactive figure
+    once the pointer enters it) and a small marker; `keep_png` removes both before a notebook is saved."""
+    live = False
 
     def to_mimebundle(self, fig_dict):
+        out = self._png_bundle(fig_dict)
+        if self.live and "image/png" in out:
+            import hashlib
+            png = out["image/png"]
+            out[PLOTLY_MIME] = fig_dict
+            out[LIVE_MIME] = dict(png_sha1=hashlib.sha1(png.encode()).hexdigest(), width=self.width,
+                                  height=self.height, scale=self.scale)
+        return out
+
+    def _png_bundle(self, fig_dict):
         import base64
         import warnings
         lay = fig_dict.get("layout", {}) if isinstance(fig_dict, dict) else {}
@@ -191,15 +217,73 @@ def notebook_figures(
     width: int = 800,  # PNG width in px for figures that set no layout width
     height: int = 450,  # PNG height in px for figures that set no layout height
     scale: float = 1.0,  # PNG pixels per layout px (below 1: smaller notebooks)
+    live: bool | None = None,  # also send the interactive figure (None: in a live JupyterLab kernel, `live_kernel()`)
 ) -> str:
-    "Make each figure display (and save) as ONE compressed PNG; plotly JSON only where kaleido cannot render."
+    "Each figure saved as ONE compressed PNG; in a live kernel also interactive (hover, zoom) until `keep_png` saves it."
     pio.defaults.mathjax = None
     if kaleido_ok():
-        pio.renderers["png"] = _LayoutPng(width=width, height=height, scale=scale)
+        r = _LayoutPng(width=width, height=height, scale=scale)
+        r.live = live_kernel() if live is None else live
+        pio.renderers["png"] = r
         pio.renderers.default = "png"
     else:  # no Chrome: interactive in JupyterLab, but tools/nbpolicy.py refuses to have it saved
         pio.renderers.default = "plotly_mimetype"
     return pio.renderers.default
+
+# %% ../nbs/09_plots.ipynb #118419a7
+def _b64(v) -> str: return ("".join(v) if isinstance(v, list) else v or "").strip()
+
+
+def keep_png(nb: dict, # a notebook as JSON (a dict, changed in place)
+            ) -> int: # live figure outputs turned into their saved form
+    "Each live figure bundle back to ONE PNG: plotly JSON and marker dropped; a PNG the browser replaced rendered again."
+    import base64
+    import hashlib
+    n = 0
+    for c in nb.get("cells", []):
+        for o in c.get("outputs", []):
+            d = o.get("data", {})
+            mark = d.pop(LIVE_MIME, None)
+            if mark is None: continue
+            fig, png = d.pop(PLOTLY_MIME, None), _b64(d.get("image/png"))
+            if fig is not None and hashlib.sha1(png.encode()).hexdigest() != mark.get("png_sha1"):
+                r = _LayoutPng(width=mark.get("width"), height=mark.get("height"), scale=mark.get("scale"))
+                new = r._png_bundle(fig).get("image/png") if kaleido_ok() else None
+                if new is None and png:   # no Chrome here: keep the browser's snapshot, compressed
+                    new = base64.b64encode(compress_png(base64.b64decode(png))).decode()
+                if new: d["image/png"] = new
+            n += 1
+    return n
+
+
+def jupyter_pre_save(model, path, contents_manager=None, **kw):
+    "A Jupyter server pre-save hook: live figures saved as their PNG (`keep_png`), then the project's nbdev_clean."
+    if model.get("type") != "notebook": return
+    keep_png(model["content"])
+    try:   # nbdev_clean's own cleaning with the settings.ini above the notebook (nbdev's hook would also need the file)
+        from pathlib import Path
+        from nbdev.clean import clean_nb
+        from nbdev.config import get_config
+        root = Path(getattr(contents_manager, "root_dir", None) or ".")
+        cfg = get_config(path=(root / path).parent)
+        clean_nb(model["content"], cfg.clear_all, cfg.get("allowed_metadata_keys").split(),
+                 cfg.get("allowed_cell_metadata_keys").split(), cfg.clean_ids)
+    except Exception as e:   # no nbdev or no settings.ini above the notebook: figures are still kept as PNGs
+        import warnings
+        warnings.warn(f"jupyter_pre_save: nbdev_clean skipped for {path}: {type(e).__name__}: {e}")
+
+
+def keep_png_files(paths: Sequence) -> list[str]:
+    "`keep_png` on notebook files (rewritten only where a live figure was found); the paths changed."
+    import json
+    from pathlib import Path
+    changed = []
+    for p in map(Path, paths):
+        nb = json.loads(p.read_text(encoding="utf-8"))
+        if keep_png(nb):
+            p.write_text(json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            changed.append(str(p))
+    return changed
 
 # %% ../nbs/09_plots.ipynb #064e566d
 CLIP_COLORS = {"entry": "#d62728", "scaled": "#1f77b4", "none": "#7f7f7f", "token": "#2ca02c"}

@@ -17,7 +17,8 @@ RECIPES_DIR = Path(opsd.__file__).resolve().parent.parent / "configs" / "recipes
 RECIPES = ("released", "fast", "fast-offpolicy")
 # the fields a recipe may set: how a step is computed (the rest is the run's: the world's or the preset's)
 STEP_FIELDS = ("objective", "beta", "temperature", "clip", "tau", "top_k", "normalize", "mask_pad_completion",
-               "teacher", "ema_decay", "ema_start", "padding", "length_grouping", "micro_batch_size", "loss_kernel",
+               "teacher", "ema_decay", "ema_start", "teacher_context", "padding", "length_grouping", "micro_batch_size",
+               "loss_kernel",
                "loss_chunk", "decoder_kernels", "fused_lora", "bf16_adapters", "checkpointing", "rollout_quantization",
                "rollout_kv_cache", "vllm_sleep", "replicate_rollout", "steps_per_rollout", "async_rollout")
 

@@ -15,7 +15,8 @@ import torch
 
 from .loss import sampled_token_logprobs, sampled_token_terms, masked_sum, normaliser
 from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_frame
-from .data import PromptConfig, student_prompt_ids, teacher_prompt_ids, load_problems, check_context, model_context
+from .data import (PromptConfig, student_prompt_ids, prompt_ids, teacher_context_prompt, load_problems,
+                       check_context, model_context)
 from .collate import collate, trim_at_eos
 from .config import OPSDConfig, TEACHER_MODES, EMA_STARTS, upgrade_config
 # re-exported: `from opsd.train import OPSDConfig, read_yaml, ...` keeps working (05h_config is their home)
@@ -407,8 +408,9 @@ class OPSDTrainer:
         "Student and teacher prompt ids of problem i (cached)."
         if i not in self._prompt_cache:
             r = self.problems[i]
+            teacher = teacher_context_prompt(self.tok, self.problems, i, self.cfg.teacher_context, self.prompt_cfg)
             self._prompt_cache[i] = (student_prompt_ids(self.tok, r["problem"], self.prompt_cfg),
-                                     teacher_prompt_ids(self.tok, r["problem"], r["solution"], self.prompt_cfg))
+                                     prompt_ids(self.tok, teacher))
         return self._prompt_cache[i]
 
     def check_context(self):
@@ -418,6 +420,8 @@ class OPSDTrainer:
         where = self.cfg.data or getattr(self.problems, "source", "") or "the problems"
         check_special_tokens(self.tok, self.problems, where)   # control tokens spelled in the data: refused
         ids = [r.get("id", i) for i, r in enumerate(self.problems)]
+        try: [self.prompts(i) for i in range(len(self.problems))]   # teacher_context='wrong' needs 2 distinct answers
+        except ValueError as e: raise ValueError(f"{where}: {e}") from None
         for k, what in enumerate(("student prompt", "teacher prompt")):
             check_context([self.prompts(i)[k] for i in range(len(self.problems))], budget=self.cfg.max_completion_length,
                           limit=limit, where=where, ids=ids, what=what)
@@ -756,7 +760,7 @@ def check_same_data(run_dir, record: dict | None, allow: bool = False):
                      f"another file); pass --allow-data-change to resume on it anyway, or {_FIX}")
 
 # %% ../nbs/06_train.ipynb #50843787
-RESUME_MAY_DIFFER = ("run_dir", "save_every")   # where the folder is, where checkpoints fall: no number changes
+RESUME_MAY_DIFFER = ("run_dir", "save_every", "report_to")   # where the folder is, where checkpoints fall: no number changes
 
 def _plain(d: dict) -> dict: return json.loads(json.dumps(d, default=str))   # as config.json holds it
 
@@ -918,6 +922,7 @@ def _loop(self: OPSDTrainer, start: int, stop_after: int | None) -> Path:
             self.step_done = step
             if self.acc.is_main_process:
                 self.run.append_metrics(row)
+                from opsd.trackers import log_metrics_row; log_metrics_row(self, row)   # report_to's trackers
                 if self._positions: self.run.append_positions(self._positions)
                 _test_pause("step", step)
             if why: raise self.diverged(step, why)

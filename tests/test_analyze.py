@@ -88,7 +88,8 @@ def test_numbers_equal_diagnostics_on_hand_built_batches(sharp, result):
     audit = result["audit"]
     assert audit["parts"]["privilege"] == pytest.approx(kl["released"] - kl["wrong_reference"], rel=1e-4, abs=1e-7)
     assert audit["parts"]["prompt_change"] == pytest.approx(kl["no_reference"], rel=1e-4)
-    assert sum(audit["shares"].values()) == pytest.approx(1.0)
+    if audit["shares"]: assert sum(audit["shares"].values()) == pytest.approx(1.0)
+    else: assert min(audit["parts"].values()) < 0 and "no shares" in audit["note"]
 
 
 def test_token_view_of_the_result(result):
@@ -151,7 +152,23 @@ def test_privilege_audit_by_hand():
     a = privilege_audit(pl.DataFrame(dict(teacher=["released", "no_reference", "wrong_reference"],
                                           **{"kl/true": [0.1, 0.01, 0.04]})))
     assert a["parts"] == pytest.approx(dict(prompt_change=0.01, reference_text=0.03, privilege=0.06))
-    assert a["shares"]["privilege"] == pytest.approx(0.6)
+    assert a["shares"]["privilege"] == pytest.approx(0.6) and a["note"] is None
+    # parts of both signs (the toy: released 0.001, none 0.0114, wrong 0.0156): no shares such as 1139%, a note
+    a = privilege_audit(pl.DataFrame(dict(teacher=["released", "no_reference", "wrong_reference"],
+                                          **{"kl/true": [0.001, 0.0114, 0.0156]})))
+    assert a["parts"]["privilege"] == pytest.approx(-0.0146) and a["shares"] == {}
+    assert "privilege is negative" in a["note"]
+
+
+def test_one_problem_is_analysed_without_the_wrong_reference(sharp, toy_problems, capsys):
+    """n=1 on one problem: the released and no-reference prompts are scored, wrong_reference is left out with a note
+    (it used to refuse: 'wrong_reference: no other problem ...'). Break tried: audit_teachers keeping wrong_reference."""
+    res = analyze(sharp, toy_problems[:1], TOY_PROMPT, n=1, max_new_tokens=4)
+    assert res["summary"]["teacher"].to_list() == ["released", "no_reference"]
+    assert res["config"]["teachers"] == ["released", "no_reference"] and "parts" not in res["audit"]
+    assert any("wrong_reference skipped" in n for n in res["notes"])
+    from opsd.analyze import format_analysis
+    assert "wrong_reference skipped" in format_analysis(res)
 
 
 def test_smollm2_slice(tmp_path, capsys):

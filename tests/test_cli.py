@@ -18,7 +18,7 @@ def run(*args, check=True):
     return code, out, err
 
 
-@pytest.mark.parametrize("cmd", ["demo", "train", "eval", "report", "padding", "analyze"])
+@pytest.mark.parametrize("cmd", ["demo", "train", "eval", "report", "padding", "analyze", "export"])
 def test_help(cmd):
     code, out, _ = run(cmd, "--help", check=False)
     assert code == 0 and "usage: opsd " + cmd in out
@@ -119,19 +119,20 @@ def test_train_preset_follows_the_world(tmp_path):
 def smollm2_run(tmp_path_factory):
     rd = tmp_path_factory.mktemp("smol") / "run"
     run("train", "--model", "smollm2", "--steps", "1", "--batch-size", "2", "--micro-batch-size", "2",
-        "--set", "max_completion_length=16", "log_positions=4", "--run-dir", rd, "--quiet")
+        "--set", "max_completion_length=16", "log_positions=4", "teacher_context=none", "--run-dir", rd, "--quiet")
     return rd
 
 
 def test_train_smollm2_on_cpu(smollm2_run):
-    "`opsd train --model smollm2 --steps 1` with a small batch runs on CPU with the world's preset."
+    """`opsd train --model smollm2 --steps 1` with a small batch runs on CPU with the world's preset, here with the
+    teacher that reads no reference (`teacher_context=none`: the KL is the prompt change alone, still above 0)."""
     from opsd.smollm2 import SMOLLM2_RECIPE
     rd = smollm2_run
     cfg = json.loads((rd / "config.json").read_text())
-    assert (cfg["model"], cfg["dtype"], cfg["rollout"], cfg["batch_size"], cfg["max_completion_length"]) == \
-        ("smollm2", "float32", "hf", 2, 16)
+    assert (cfg["model"], cfg["dtype"], cfg["rollout"], cfg["batch_size"], cfg["max_completion_length"],
+            cfg["teacher_context"]) == ("smollm2", "float32", "hf", 2, 16, "none")
     mine = ("dtype", "rollout", "batch_size", "micro_batch_size", "steps", "max_completion_length", "run_dir",
-            "log_positions")  # set on the command line, or the CPU's choices
+            "log_positions", "teacher_context")  # set on the command line, or the CPU's choices
     recipe = {k: v for k, v in SMOLLM2_RECIPE.items() if k not in mine}
     assert {k: cfg[k] for k in recipe} == recipe
     m = pl.read_ndjson(rd / "metrics.jsonl")
@@ -154,6 +155,21 @@ def test_eval_smollm2_run(smollm2_run):
     run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--temperature", "1.0", "--quiet")
     ev = pl.read_ndjson(rd / "eval.jsonl")
     assert ev.group_by("key_temperature").len().sort("key_temperature").rows() == [(0.0, 4), (1.0, 4)]
+
+
+def test_export_smollm2_run(smollm2_run, tmp_path):
+    "`opsd export` of the SmolLM2 run: plain from_pretrained loads the merged bf16 folder and generates (greedy)."
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = tmp_path / "smol-merged"
+    run("export", smollm2_run, "--out", out, "--dtype", "bfloat16")
+    model, tok = AutoModelForCausalLM.from_pretrained(out).eval(), AutoTokenizer.from_pretrained(out)
+    assert model.config.model_type == "llama" and str(model.dtype) == "torch.bfloat16"
+    ids = tok.apply_chat_template([dict(role="user", content="What is 2 + 3?")], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    gen = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+    assert len(gen) >= 1 and tok.decode(gen).strip()
+    card = (out / "README.md").read_text()
+    assert "`smollm2`" in card and "smollm2 world" in card and "Clip mode" in card
 
 
 def test_quick_is_for_the_toy_only():

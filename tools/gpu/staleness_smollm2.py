@@ -1,8 +1,11 @@
-"""What staleness costs on the real model, SmolLM2-135M-Instruct, on one GPU: one step of it
-(`async_rollout`, the arm `async`), a group of k steps sampled at once (`steps_per_rollout`, the arms `k2`, `k4`), or
-the two together (`k4async`: a group of 4 sampled beside the previous group's training, mean age about 2.5; the
-schedule of the `fast-offpolicy` recipe). The arms `entry` and `none` instead train the release's synchronous step
-with that clip (finding 2's greedy accuracy against `scaled`, paired by seed, in the same engine).
+"""Arms against the released synchronous step on the real model, SmolLM2-135M-Instruct, on one GPU.
+What staleness costs: one step of it (`async_rollout`, the arm `async`), a group of k steps sampled at once
+(`steps_per_rollout`, the arms `k2`, `k4`), or the two together (`k4async`: a group of 4 sampled beside the previous
+group's training, mean age about 2.5; the schedule of the `fast-offpolicy` recipe). The arms `entry` and `none`
+instead train the release's synchronous step with that clip (finding 2's greedy accuracy against `scaled`, paired by
+seed, in the same engine). What the privilege buys: the arms `noref` and `wrongref` train the scaled clip with
+`teacher_context` none and wrong, `entrynoref` the entry clip with none (explanations/privilege; `entry` is its
+reference arm).
 
 The demo's SmolLM2 recipe (the world preset: 50 steps of 32 completions, scaled clip), synchronous against each arm,
 over seeds, every run through `opsd.demo.run_world_jobs` (the trainer's own step) with one shared vLLM engine; then a greedy
@@ -18,11 +21,14 @@ retraining the earlier ones; pairs stay within a seed, so seeds from two calls c
 --arms: the arms (of ARMS) trained beside `sync` (default `async`); the JSON has, per measure, each arm's
 interval and `diff_<arm>`, the paired arm - sync difference (the first study's file, 2026-12-04, names them `async_`
 and `diff`).
+--no-sync: train only the arms named (several processes on one GPU, one arm each, each with its own engine).
+--engine-memory F: the engine's share of GPU memory (default 0.2; 0.1 lets five processes share one GPU).
+--hf: HF generation on the GPU for the rollouts and the evaluation instead of vLLM (a machine without vLLM).
 --steps N: N optimizer steps instead of the world's 50 (a multiple of 20 on the GPU: checkpoints every 10, groups of
 4), the accuracy measured at step N; use another OUT_RUNS than the 50-step runs' (the run names do not say N).
 --smoke: the same code on CPU at toy size (4 steps of 4 completions, 16 tokens, 4 held-out problems, HF engine), to
 check the script before a GPU call; its numbers mean nothing."""
-import json, sys, time
+import fcntl, json, os, sys, time
 from pathlib import Path
 
 import polars as pl
@@ -36,24 +42,36 @@ from opsd.worlds import resolve_world
 
 ARMS = {"async": {"async_rollout": True}, "k2": {"steps_per_rollout": 2}, "k4": {"steps_per_rollout": 4},
         "k4async": {"steps_per_rollout": 4, "async_rollout": True},   # k4async: the bench's fastest row (mean age 2.5)
-        "entry": {}, "none": {}}   # the clip arms: the release's synchronous step with another clip (`CLIP_ARMS`)
+        "entry": {}, "none": {},   # the clip arms: the release's synchronous step with another clip (`CLIP_ARMS`)
+        "noref": {"teacher_context": "none"}, "wrongref": {"teacher_context": "wrong"},   # what the reference buys
+        "entrynoref": {"teacher_context": "none"}}
 CLIP_ARMS = {"entry", "none"}   # an arm named after a clip trains that clip; every other arm trains `scaled`, as sync
+ARM_CLIP = {"entry": "entry", "none": "none", "entrynoref": "entry"}   # the clip of each arm (default scaled)
 argv = sys.argv[1:]
 arms = ["async"]
 if "--arms" in argv:
     i = argv.index("--arms")
     if i + 1 >= len(argv): sys.exit("--arms needs a value, e.g. --arms k2,k4")
     arms = argv[i + 1].split(","); del argv[i:i + 2]
-    bad = [a for a in arms if a not in ARMS]
+    bad = [a for a in arms if a not in ARMS and a != "sync"]
     if bad: sys.exit(f"--arms: unknown arm(s) {bad}; choose from {sorted(ARMS)}")
+sync = "--no-sync" not in argv or "sync" in arms   # `--arms sync --no-sync`: the synchronous arm alone
+arms = [a for a in arms if a != "sync"]
+engine_memory = 0.2
+if "--engine-memory" in argv:
+    i = argv.index("--engine-memory")
+    try: engine_memory = float(argv[i + 1])
+    except (IndexError, ValueError): sys.exit("--engine-memory needs a fraction of GPU memory, e.g. --engine-memory 0.1")
+    del argv[i:i + 2]
 steps = None   # --steps N: a longer (or shorter) recipe than the world's 50 steps; checkpoints every 10, evaluated at N
 if "--steps" in argv:
     i = argv.index("--steps")
     try: steps = int(argv[i + 1])
     except (IndexError, ValueError): sys.exit("--steps needs a whole number of optimizer steps, e.g. --steps 100")
     del argv[i:i + 2]
-args = [a for a in argv if a != "--smoke"]
+args = [a for a in argv if a not in ("--smoke", "--no-sync", "--hf")]
 smoke = "--smoke" in argv
+hf = smoke or "--hf" in argv   # --hf: the trainer's HF rollout on the GPU (no vLLM), also for the evaluation
 out, dest = Path(args[0]), Path(args[1])
 def parse_seeds(text: str) -> int | list[int]:
     "SEEDS: a count n (seeds 0..n-1), a range 'a-b' (a..b, both in) or a list 'a,b,c'."
@@ -70,13 +88,14 @@ if smoke:
     recipe = DemoRecipe(k=1, n_eval=4, config=dict(steps=4, batch_size=4, micro_batch_size=4,
                                                    max_completion_length=16, save_every=4, rollout="hf"))
 n_test, last, new_tokens = (4, 4, 16) if smoke else (100, 50, 128)
+if hf and not smoke: recipe = recipe.with_config(rollout="hf")
 if steps is not None:   # the last checkpoint is the measure; every arm of the study gets the same length
     unit = 4 if smoke else 20   # whole groups of 4 (the k4 arms), and on the GPU a checkpoint every 10 steps
     if steps < unit or steps % unit: sys.exit(f"--steps must be a multiple of {unit} here, got {steps}")
     recipe, last = recipe.with_config(steps=steps, save_every=4 if smoke else 10), steps
 jobs = []
-for label, extra in [("sync", {})] + [(a, ARMS[a]) for a in arms]:
-    clip = label if label in CLIP_ARMS else "scaled"
+for label, extra in ([("sync", {})] if sync else []) + [(a, ARMS[a]) for a in arms]:
+    clip = ARM_CLIP.get(label, "scaled")
     for j in demo_jobs(out, clips=[clip], seeds=seeds, recipe=recipe, world="smollm2", **extra):
         j["name"] = f"smollm2-{clip}-{'sync' if label in CLIP_ARMS else label}-s{j['seed']}"   # entry: smollm2-entry-sync-s0
         j["run_dir"], j["label"] = str(out / j["name"]), label
@@ -85,8 +104,21 @@ jobs.sort(key=lambda j: (j["seed"], j["label"]))   # seed-major: a cut call leav
 path = w.path
 tok = AutoTokenizer.from_pretrained(path)
 t0 = time.perf_counter()
-engine = None if smoke else make_rollout("vllm", None, tok, path, max_model_len=1024, gpu_memory_utilization=0.2,
-                                         sleep=False, seed=0, progress=False, merged=True)
+# Several processes on one GPU (tools/gpu/privilege.sh): ENGINE_LOCK makes their engines start one at a time, and
+# BARRIER=DIR:N holds each process until N engines are up, so no engine profiles its memory while another process
+# allocates or frees (vLLM reads the device's free memory then).
+lock = open(os.environ["ENGINE_LOCK"], "w") if os.environ.get("ENGINE_LOCK") and not hf else None
+if lock: fcntl.flock(lock, fcntl.LOCK_EX)
+try:
+    engine = None if hf else make_rollout("vllm", None, tok, path, max_model_len=1024, gpu_memory_utilization=engine_memory,
+                                             sleep=False, seed=0, progress=False, merged=True)
+finally:
+    if lock: fcntl.flock(lock, fcntl.LOCK_UN)
+    if os.environ.get("BARRIER") and not hf:   # arrive (also when the engine failed: the others must not wait)
+        bdir, n = os.environ["BARRIER"].rsplit(":", 1)
+        Path(bdir).mkdir(parents=True, exist_ok=True); (Path(bdir) / str(os.getpid())).touch()
+        t_wait = time.time()
+        while len(list(Path(bdir).iterdir())) < int(n) and time.time() - t_wait < 400: time.sleep(1)
 print(f"engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
 test_set = w.problems(n_test, seed=10_000, split="test")
 prompt_cfg = w.prompt_config(None)
@@ -98,7 +130,7 @@ def arm_of(run: str) -> str | None:
     call left in OUT_RUNS are summarized with this call's (pairs stay within a seed)."""
     parts = run.split("-")
     if len(parts) != 4 or parts[0] != "smollm2": return None
-    return parts[1] if parts[1] in CLIP_ARMS else parts[2]
+    return parts[1] if parts[2] == "sync" and parts[1] in CLIP_ARMS else parts[2]
 
 
 def summarize(done: list) -> dict:

