@@ -120,3 +120,26 @@ def test_world_splits_a_data_file_into_train_and_held_out(tmp_path):
     small = tmp_path / "s.jsonl"; small.write_text("".join(f.read_text().splitlines(True)[:5]))
     with pytest.raises(ValueError, match="fewer than 10 rows, all trained on"):
         resolve_world("toy", data=str(small)).problems(split="test")
+
+
+def test_read_only_checkpoints_folder_is_refused_before_training(tiny_ckpt, toy_problems, tmp_path, monkeypatch):
+    """A checkpoints/ that cannot be written (a read-only file system: EROFS, simulated at the write since tests run as
+    root, for whom permission bits do not stop a write) is refused before the first step, one line naming it; nothing
+    is written. Break that made it fail: `fit` without `check_writable` (no refusal: the run started training)."""
+    import errno
+    from pathlib import Path
+    from opsd.cli import error_line, is_user_error
+    cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "r"), steps=1, save_every=1, batch_size=2,
+                         micro_batch_size=2, max_completion_length=4, log_positions=0, padding="aligned")
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
+    real = Path.write_bytes
+    def write_bytes(self, data):
+        if self.parent.name == "checkpoints": raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real(self, data)
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    with pytest.raises(PermissionError) as e:
+        OPSDTrainer(cfg, toy_problems, progress=False).fit()
+    assert is_user_error(e.value) and error_line(e.value).endswith(
+        "checkpoints is not writable (Read-only file system); checkpoints could not be saved: make it writable, or use "
+        "another run folder")
+    assert sorted(p.name for p in (tmp_path / "r").rglob("*") if p.is_file()) == [".opsd.lock"]   # the lock only
