@@ -311,7 +311,8 @@ def format_analysis(result: dict) -> str:
     "The analysis as plain text: instruments per teacher prompt, clipped teacher mass per KL band, the privilege audit."
     c, t, bands = result["config"], result["timing"], result["bands"]
     names = [b for b, _, _ in _KL_BANDS]
-    lines = [f"opsd analyze: {c['model']}, {c['n']} completions ({t['completion_tokens']} tokens, max "
+    model = Path(c["model"]).name if Path(str(c["model"])).is_absolute() else c["model"]   # a local folder: its name
+    lines = [f"opsd analyze: {model}, {c['n']} completions ({t['completion_tokens']} tokens, max "
              f"{c['max_new_tokens']} each), seed {c['seed']}, T {c['temperature']}, top_p {c['top_p']}, "
              f"top_k {c['top_k']}, "
              f"tau {c['tau']}, "

@@ -11,7 +11,7 @@ from pathlib import Path
 from .train import patch  # the same decorator as fastcore's patch, without a runtime dependency (GPU machine)
 
 # %% auto #0
-__all__ = ['WORLDS', 'WORLD_KINDS', 'World', 'resolve_world']
+__all__ = ['WORLDS', 'WORLD_KINDS', 'World', 'resolve_world', 'LoadedWorld', 'load_world']
 
 # %% ../nbs/08c_worlds.ipynb #a9138b16
 WORLDS = ("toy", "toy:soft", "toy:copy", "smollm2")  # named worlds; anything else is a from_pretrained path or hub name
@@ -39,8 +39,8 @@ class World:
 
     @property
     def grade_mode(self) -> str:
-        "How answers are graded (`opsd.eval.grade`): exact for the toy's integers, math otherwise."
-        return "exact" if self.kind == "toy" else "math"
+        "How answers are graded (`opsd.eval.grade`): exact for the toy's own integers, math otherwise (any data file)."
+        return "exact" if self.kind == "toy" and self.data is None else "math"
 
     @cached_property
     def path(self) -> str:
@@ -80,10 +80,13 @@ class World:
 def problems(self: World, n: int | None = None, seed: int = 0, split: str = "train") -> list[dict]:
     "The world's problem records: from `data` when set, else its own generator's (`split` 'train' or 'test')."
     n = self.n_train if n is None else n
-    if self.data is not None:
-        from opsd.data import load_problems
-        recs = list(load_problems(self.data))
-        return recs if split == "train" else recs[:n]
+    if self.data is not None:   # the file's rows less its held-out split (`opsd.data.holdout_split`), or that split
+        from opsd.data import load_problems, holdout_split, HOLDOUT_MIN_ROWS
+        train, held = holdout_split(list(load_problems(self.data)))
+        if split == "train": return train
+        if not held: raise ValueError(f"{self.data}: fewer than {HOLDOUT_MIN_ROWS} rows, all trained on, so none is held "
+                                      "out; evaluate with --data FILE of problems the run did not train on")
+        return held[:n]
     if self.kind == "toy":
         from opsd.toy import make_problems, toy_config
         return make_problems(n, seed=seed, split=split, **toy_config(self.preset, **(self.toy or {})).problem_kw())
@@ -158,3 +161,27 @@ def check_model(self: World, what: str = "--model") -> None:
         if "does not exist" not in str(e): raise
         raise FileNotFoundError(f"{what} {self.name}: no such model folder; give a from_pretrained folder, "
                                 f"a hub name, or a world ({', '.join(WORLDS)})") from None
+
+# %% ../nbs/08c_worlds.ipynb #ba768248
+@dataclasses.dataclass
+class LoadedWorld:
+    "A world with its base model loaded: `model`, `tokenizer`, `prompts` (its PromptConfig) and `world` itself."
+    world: World
+    model: object
+    tokenizer: object
+    prompts: object
+
+    def problems(self, n: int = 8, seed: int = 0, split: str = "train") -> list[dict]:
+        "n problem records of the world (problem, solution, answer)."
+        return self.world.problems(n, seed=seed, split=split)
+
+def load_world(name: str = "toy", # 'toy', 'toy:soft', 'toy:copy', 'smollm2', or a from_pretrained path (with `data`)
+               data: str | None = None, # a problems file replacing the world's own problems
+               dtype: str | None = None, # weights' dtype (default: the world's evaluation dtype, else float32)
+              ) -> LoadedWorld:
+    "A world's base model (eval mode), tokenizer and prompt wording in one call: `load_world('toy')`."
+    from opsd.runs import load_model
+    w = resolve_world(name, data=data)
+    w.check_model()
+    model, tok = load_model(w.path, dtype or w.eval_dtype or "float32")
+    return LoadedWorld(w, model.eval(), tok, w.prompt_config(None))

@@ -1,10 +1,12 @@
-"""The offline render (tools/render_docs.py): 00_loss shows formulas and its figure with the network off; links work.
+"""The offline render (tools/render_docs.py): 00_loss shows formulas and its figure with the network off; links work;
+API pages show each exported definition's signature and parameter table; sidebar, previous/next, contents, search.
 
 Static checks on the HTML (no remote script/stylesheet, MathJax is a local file, the figure is an embedded PNG), then,
 where Debian's `chromium` is installed, the page is loaded headless with every network request refused and the DOM
 after MathJax ran is checked: typeset math, no raw `$` left in the prose. A control page that loads MathJax from the
 CDN instead must come out untypeset, which shows the network really is off and the DOM check can fail.
 """
+import html
 import importlib.util
 import json
 import re
@@ -152,18 +154,84 @@ def test_rewrite_links_only_touches_relative_notebook_links():
         '<img src="k.ipynb">')
 
 
-def test_rendered_links_resolve_and_every_page_links_to_contents(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    "Index, two API notebooks and two explanations rendered together, as `bash dev.sh docs` does."
+    rd = _tool()
+    nbs = ROOT / "nbs"
+    chosen = [nbs / "explanations" / "kl_drift.ipynb", nbs / "01_diagnostics.ipynb", nbs / "index.ipynb",
+              nbs / "explanations" / "findings.ipynb", nbs / "00_loss.ipynb"]   # not in reading order on purpose
+    out = tmp_path_factory.mktemp("site")
+    assert rd.main(["--out", str(out), *map(str, chosen)]) == 0
+    return out
+
+
+def test_api_page_shows_signatures_and_parameter_tables(rendered):
+    """Every function and class `opsd.loss` exports has a block with its signature and a table of its parameters, built
+    from the module (reference: inspect.signature and the docments comments read here); no directive-only cell shows.
+    Break seen failing: render() without api_docs (no blocks)."""
+    import inspect
+    from fastcore.docments import docments
+    import opsd.loss as mod
+    _, page = rendered
+    text = page.read_text()
+    names = [n for n in mod.__all__ if inspect.isfunction(getattr(mod, n)) or inspect.isclass(getattr(mod, n))]
+    blocks = dict(re.findall(r'<div class="opsd-doc" id="([^"]+)">(.*?)</table></div>', text, re.S))
+    assert len(names) > 10 and set(names) <= set(blocks), sorted(set(names) - set(blocks))
+    for n in names:
+        params = [p for p in inspect.signature(getattr(mod, n)).parameters if p != "self"]
+        rows = re.findall(r"<tr><td><code>([^<]+)</code>", blocks[n])
+        assert rows == params, (n, rows, params)
+        assert f"{n}(" in blocks[n]   # the signature line
+        shown = html.unescape(re.sub(r"<[^>]+>", "", blocks[n]))
+        for p, d in docments(getattr(mod, n), full=True).items():
+            if p != "return" and d["docment"]:
+                assert d["docment"] in shown, (n, p)
+    assert "default_exp" not in text and "#| export" not in text
+
+
+def test_navigation_contents_and_offline_search(site, tmp_path):
+    """Sidebar with every page (the current one marked), previous/next in the notebook order, a contents page with titles
+    and one-line descriptions, and the search box finding a section in Chromium with the network off.
+    Breaks seen failing: add_layout without the sidebar; prev_next from the unsorted list."""
+    out = site
+    page = (out / "00_loss.html").read_text()
+    side = re.search(r'<aside class="opsd-side">(.*?)</aside>', page, re.S).group(1)
+    hrefs = re.findall(r'<li><a(?: class="here")? href="([^"]+)"', side)
+    assert hrefs == ["index.html", "00_loss.html", "01_diagnostics.html", "explanations/findings.html",
+                     "explanations/kl_drift.html"], hrefs
+    assert '<a class="here" href="00_loss.html"' in side
+    nav = re.search(r'<nav class="opsd-prevnext">(.*?)</nav>', page, re.S).group(1)
+    assert re.findall(r'href="([^"]+)"', nav) == ["index.html", "01_diagnostics.html"]
+    sub = (out / "explanations" / "kl_drift.html").read_text()
+    assert 'href="../00_loss.html"' in sub and 'src="../search_index.js"' in sub
+    contents = (out / "contents.html").read_text()
+    nb = json.loads(NB.read_text())
+    title_cell = "".join(nb["cells"][1]["source"])
+    title, desc = re.search(r"^# (.+)$", title_cell, re.M).group(1), re.search(r"^> (.+)$", title_cell, re.M).group(1)
+    assert f">{html.escape(title)}</a>" in contents and html.escape(desc) in contents
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no chromium binary")
+    url = (out / "00_loss.html").as_uri() + "?q=clipped%20teacher%20mass"
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={tmp_path}",
+           "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND", "--virtual-time-budget=5000",
+           "--dump-dom", url]
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=90).stdout
+    res = re.search(r'<div class="opsd-results" id="opsd-res"[^>]*>(.*?)</div>', dom, re.S).group(1)
+    found = re.findall(r'<a href="([^"]+)"', res)
+    assert found and any(f.startswith("01_diagnostics.html#") for f in found), found
+
+
+def test_rendered_links_resolve_and_every_page_links_to_contents(site, tmp_path):
     """Index, a notebook and explanations rendered as `bash dev.sh docs` does: every relative link reaches a page.
 
     Breaks seen failing: render() without rewrite_links (links stay `.ipynb`); without add_nav (no contents link);
     main() writing contents.html only for an index-less set."""
     rd = _tool()
     nbs = ROOT / "nbs"
-    chosen = [nbs / "index.ipynb", nbs / "00_loss.ipynb", nbs / "explanations" / "findings.ipynb",
-              nbs / "explanations" / "kl_drift.ipynb"]
-    out = tmp_path / "site"
-    assert rd.main(["--out", str(out), *map(str, chosen)]) == 0
-    pages = [out / "index.html", out / "00_loss.html", out / "explanations" / "findings.html",
+    out = site
+    pages = [out / "index.html", out / "00_loss.html", out / "01_diagnostics.html", out / "explanations" / "findings.html",
              out / "explanations" / "kl_drift.html"]
     contents = (out / "contents.html").read_text()
     for page in pages:
@@ -183,3 +251,17 @@ def test_rendered_links_resolve_and_every_page_links_to_contents(tmp_path):
     single = tmp_path / "one"
     assert rd.main(["--out", str(single), str(nbs / "04_collate.ipynb")]) == 0
     assert 'href="04_collate.html"' in (single / "contents.html").read_text()
+
+
+def test_readme_library_follows_the_getting_started_tutorial():
+    """The README's "As a library" walks the tutorial's path (which nbdev_test runs top to bottom): the same calls, in
+    the same order. Catches a README example drifting to an API the tutorial no longer shows."""
+    readme = (ROOT / "README.md").read_text().split("## As a library", 1)[1].split("\n## ", 1)[0]
+    nb = json.loads((ROOT / "nbs" / "tutorials" / "getting_started.ipynb").read_text())
+    tut = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    calls = ['load_world("toy")', "loss_and_diagnostics(", "summarize_diagnostics(", "analyze((toy.model, toy.tokenizer)",
+             "token_view_html(", 'load_world("smollm2")']
+    for text in (readme, tut):
+        at = [text.find(c) for c in calls]
+        assert all(i >= 0 for i in at) and at[:-1] == sorted(at[:-1]), [c for c, i in zip(calls, at) if i < 0]
+    assert "getting_started.ipynb" in readme
