@@ -18,15 +18,16 @@ from .config import upgrade_config, field_help
 from .kernels import DECODER_KERNELS
 from .recipes import RECIPES, load_recipe
 from .runs import read_metrics, read_config
-from .data import check_out_folder, load_problems
+from .data import check_out_folder, load_problems, data_record, file_sha256, Problems
+from .runs import RunDir
 from .eval import grade, eval_runs
 from .worlds import resolve_world, WORLDS
 from .demo import parse_set
 
 # %% auto #0
-__all__ = ['CONFIG_CHOICES', 'TRAIN_FLAGS', 'PRESETS', 'USER_ERRORS', 'DISK_FULL', 'add_config_flags', 'read_config_file',
-           'parse_set_items', 'config_from_args', 'cmd_train', 'cmd_eval', 'cmd_report', 'cmd_padding', 'parser',
-           'is_user_error', 'error_line', 'main']
+__all__ = ['CONFIG_CHOICES', 'TRAIN_FLAGS', 'PRESETS', 'USER_ERRORS', 'DISK_FULL', 'MAX_ERROR_CHARS', 'POSITIVE',
+           'add_config_flags', 'read_config_file', 'parse_set_items', 'config_from_args', 'cmd_train', 'eval_source',
+           'cmd_eval', 'cmd_report', 'cmd_padding', 'parser', 'is_user_error', 'error_line', 'main']
 
 # %% ../nbs/11_cli.ipynb #c4fbac5c
 # the allowed values of config fields: the config's own constants, not a second list
@@ -108,12 +109,16 @@ def cmd_train(a) -> Path:
     w = resolve_world(cfg.model, data=cfg.data)
     w.check_model()
     prompt_cfg = w.prompt_config(cfg.prompt)
-    problems = w.problems(w.n_train, seed=cfg.seed, split="train")  # reads and validates --data
+    problems = w.problems(w.n_train, seed=cfg.seed, split="train")  # reads and validates --data (less its held-out rows)
+    # a data file: its pin (absolute path, sha256) and held-out split, recorded in the run folder (data.json)
+    rec = data_record(cfg.data, load_problems(cfg.data), grade=w.grade_mode) if cfg.data and Path(cfg.data).is_file() \
+        else None
     tr = OPSDTrainer(cfg, problems, model_path=w.path, grader=lambda t, ans: grade(t, ans, mode=w.grade_mode),
                      prompt_config=prompt_cfg, progress=not a.quiet)
-    try: run = tr.fit(resume=not a.fresh)
-    except KeyboardInterrupt:
-        print(f"[opsd] interrupted at step {tr.step_done}; resume with the same command"); raise SystemExit(130)
+    try: run = tr.fit(resume=not a.fresh, data_record=rec, allow_data_change=a.allow_data_change)
+    except KeyboardInterrupt as e:   # SIGINT or SIGTERM (opsd.train.Interrupted): a checkpoint was saved
+        sig = getattr(e, "signum", 2)
+        print(f"[opsd] interrupted at step {tr.step_done}; resume with the same command"); raise SystemExit(128 + sig)
     m = read_metrics(run)
     if tr.acc.is_main_process:
         cols = ("step", "loss", "kl/true", "entry/loss", "entry/argmax_clipped_frac", "update_cos", "sampled_acc",
@@ -123,6 +128,32 @@ def cmd_train(a) -> Path:
     return run
 
 # %% ../nbs/11_cli.ipynb #972aa7d4
+def eval_source(run_dir, # a run folder
+                cfg: dict, # its config
+                data: str | None = None, # `opsd eval --data`
+                allow_change: bool = False, # `--allow-data-change`: evaluate on a data file edited since training
+               ) -> tuple: # (data file or None for the world's own test split, held-out ids or None for every row)
+    "Which rows `opsd eval` grades for a run: never rows it trained on (its recorded held-out split of its data file)."
+    rec = RunDir(run_dir).read_data()
+    if data is not None:   # the run's own training file again: its held-out rows; another file: every row
+        same = rec is not None and Path(data).is_file() and file_sha256(data) == rec.get("sha256")
+        return data, (tuple(rec.get("heldout_ids") or ()) if same else None)
+    if cfg.get("data") is None: return None, None
+    if rec is None or rec.get("heldout_ids") is None:
+        raise ValueError(f"run folder {run_dir}: trained on --data {cfg['data']} with no held-out split recorded (an "
+                         "older opsd, or the Python API): pass --data FILE of problems the run did not train on")
+    path = rec["path"]
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"run folder {run_dir}: its data file {path} no longer exists; pass --data FILE")
+    if file_sha256(path) != rec["sha256"] and not allow_change:
+        raise ValueError(f"run folder {run_dir}: its data file {path} changed since training (sha256 "
+                         f"{rec['sha256'][:12]} then, {file_sha256(path)[:12]} now), so its held-out rows may have been "
+                         "trained on; pass --data FILE, or --allow-data-change")
+    if not rec["heldout_ids"]:
+        raise ValueError(f"run folder {run_dir}: trained on all {rec.get('rows')} rows of {path} (too few to hold some "
+                         "out); pass --data FILE of problems the run did not train on")
+    return path, tuple(rec["heldout_ids"])
+
 def cmd_eval(a):
     "`opsd eval`: the runs grouped by world, each group through `opsd.eval.eval_runs` (one rollout engine per base)."
     groups = {}
@@ -135,25 +166,30 @@ def cmd_eval(a):
             raise FileNotFoundError(f"run folder {rd}: no config.json (not a run folder written by `opsd train`)")
         check_out_folder(p, "run folder")  # eval.jsonl is written there
         c = read_config(rd)
-        groups.setdefault((c["model"], a.data or c.get("data")), []).append(rd)
+        if not c.get("model"): raise ValueError(f"{p / 'config.json'}: no 'model' field (the run's base model)")
+        groups.setdefault((c["model"], *eval_source(rd, c, a.data, a.allow_data_change)), []).append(rd)
     worlds = {key: resolve_world(key[0], data=key[1]) for key in groups}
-    for (model, data), rds in groups.items():
-        worlds[model, data].check_model(what=f"run folder {rds[0]}: its model")
+    for (model, data, _), rds in groups.items():
+        worlds[model, data, _].check_model(what=f"run folder {rds[0]}: its model")
         if data is not None: load_problems(data)  # a typo in --data (or a moved file): one line, now
     out = []
-    for (model, data), rds in groups.items():
-        w = worlds[model, data]
+    for (model, data, held), rds in groups.items():
+        w = worlds[model, data, held]
         ev = w.eval
         n, k = a.n or ev["n"], a.k or ev["k"]
         sampling = w.eval_sampling()   # SmolLM2: greedy; the budget is `max_new_tokens` below
         if a.temperature is not None: sampling = dataclasses.replace(sampling, temperature=a.temperature)
-        problems = lambda cfg, w=w, n=n: w.problems(n, seed=10_000 + cfg.get("seed", 0), split="test")[:n]
+        if data is None: problems = lambda cfg, w=w, n=n: w.problems(n, seed=10_000 + cfg.get("seed", 0), split="test")[:n]
+        else:   # the run's held-out rows of its data file (recorded at training), or every row of another file
+            rows = load_problems(data)
+            problems = Problems([r for r in rows if held is None or r["id"] in held][:n], source=str(data))
         out.append(eval_runs(rds, problems, model_path=w.path, k=k, seeds=tuple(a.seeds), steps=a.steps,
                              backend=a.backend, max_new_tokens=a.max_new_tokens or ev["max_new_tokens"],
                              grade_mode=w.grade_mode, prompt_cfg=lambda cfg, w=w: w.prompt_config(cfg.get("prompt")),
                              dtype=w.eval_dtype, vllm_memory=a.vllm_memory, sampling=sampling, progress=not a.quiet))
-    with pl.Config(tbl_rows=100, tbl_cols=20):
-        print(pl.concat(out, how="diagonal_relaxed"))
+    table = pl.concat(out, how="diagonal_relaxed")
+    with pl.Config(tbl_rows=100, tbl_cols=30, tbl_width_chars=200):   # each row names the setting it was measured in
+        print(table)
 
 # %% ../nbs/11_cli.ipynb #25e930d1
 def cmd_report(a):
@@ -169,7 +205,8 @@ def cmd_padding(a):
     from opsd.rollout import SamplingConfig
     w = resolve_world(a.model, data=a.data)
     w.check_model()
-    problems = w.problems(max(a.n, 64), seed=a.seed, split="test")
+    # a data file is measured whole (no model is graded here, so its held-out split does not apply)
+    problems = list(load_problems(a.data)) if a.data else w.problems(max(a.n, 64), seed=a.seed, split="test")
     model, tok = load_model(w.path, "float32")
     budget = a.max_new_tokens or (64 if w.kind == "toy" else w.eval.get("max_new_tokens") or 256)
     sampling = SamplingConfig(max_new_tokens=budget, seed=a.seed)
@@ -218,7 +255,9 @@ def parser() -> argparse.ArgumentParser:
                    help="starting config: the --model world's preset (default), the released recipe, or the toy's")
     add_config_flags(t)
     t.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="override any config field (YAML values)")
-    t.add_argument("--fresh", action="store_true", help="start over instead of resuming")
+    t.add_argument("--fresh", action="store_true", help="start over instead of resuming (removes only what opsd wrote)")
+    t.add_argument("--allow-data-change", dest="allow_data_change", action="store_true",
+                   help="resume although the data file's content differs from what the run recorded")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(fn=cmd_train)
     e = sub.add_parser("eval", help="evaluate the base and every checkpoint of runs on held-out problems")
@@ -234,6 +273,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--temperature", type=float,
                    help="evaluation temperature, 0 = greedy (default: the world's; SmolLM2 greedy, else 1.0)")
     e.add_argument("--vllm-memory", dest="vllm_memory", type=float, default=0.5, help="vLLM's share of GPU memory")
+    e.add_argument("--allow-data-change", dest="allow_data_change", action="store_true",
+                   help="evaluate on the run's data file although it changed since training")
     e.add_argument("--quiet", action="store_true"); e.set_defaults(fn=cmd_eval)
     r = sub.add_parser("report", help="a self-contained HTML report (and PNGs) of runs")
     r.add_argument("runs", nargs="+"); r.add_argument("--out", default="runs/report")
@@ -255,6 +296,9 @@ def parser() -> argparse.ArgumentParser:
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError,
                RuntimeError, KeyError, ImportError)
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+MAX_ERROR_CHARS = 600   # the longest error line
+POSITIVE = dict(eval=("n", "k", "max_new_tokens"), demo=("n_eval", "workers", "seeds", "steps", "k"),
+                padding=("n", "max_new_tokens"))   # counts that must be at least 1
 _OPSD_DIR = Path(sys.modules["opsd"].__file__).resolve().parent  # opsd's own source files
 
 def _is_opsd_raise(file: str, line: str) -> bool:
@@ -298,11 +342,17 @@ def error_line(e: BaseException) -> str:
         msg += f" ({type(c).__name__}: {_message(c)})"
     if isinstance(e, OSError) and e.errno in DISK_FULL and "disk" not in msg.lower():
         msg += " (the disk is full: free space, then run the same command again)"
-    return " ".join(line.strip() for line in msg.splitlines() if line.strip())
+    msg = " ".join(line.strip() for line in msg.splitlines() if line.strip())
+    if len(msg) > MAX_ERROR_CHARS:   # a value in the message can be huge (a YAML alias bomb): the line stays readable
+        msg = msg[:MAX_ERROR_CHARS - 60] + f" ... ({len(msg):,} characters in all, cut)"
+    return msg
 
 def _check_args(a):
     "Checks before any command's work: `--out` not a file, `--set` items well-formed, `--model` and `--data` there."
     if getattr(a, "out", None): check_out_folder(a.out, "--out")
+    for name in POSITIVE.get(a.cmd, ()):   # 0 would silently mean 'the default'
+        v = getattr(a, name, None)
+        if v is not None and v < 1: raise ValueError(f"--{name.replace('_', '-')} {v}: must be at least 1")
     if a.cmd == "demo": parse_set_items(a.set)
     if a.cmd in ("demo", "padding", "analyze"):  # (train and eval check theirs once the config / run says which)
         resolve_world(a.model, data=a.data).check_model()
@@ -315,8 +365,8 @@ def main(argv=None):
     try:
         _check_args(a)
         a.fn(a)  # (nothing returned: the console script's sys.exit(main()) would print a value and exit 1)
-    except KeyboardInterrupt:
-        print(f"opsd {a.cmd}: interrupted", file=sys.stderr); raise SystemExit(130)
+    except KeyboardInterrupt as e:   # SIGINT (130), or SIGTERM during training (143)
+        print(f"opsd {a.cmd}: interrupted", file=sys.stderr); raise SystemExit(128 + getattr(e, "signum", 2))
     except Exception as e:
         if os.environ.get("OPSD_TRACEBACK", "") not in ("", "0") or not is_user_error(e): raise
         print(f"opsd: error: {error_line(e)}", file=sys.stderr); raise SystemExit(2)

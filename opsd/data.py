@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_data.ipynb #d0a71054
 from __future__ import annotations
-import json, os, re, shutil, tempfile, warnings
+import dataclasses, hashlib, json, os, re, shutil, tempfile, warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -12,11 +12,13 @@ from typing import Iterable, Sequence
 
 # %% auto #0
 __all__ = ['QWEN3_CHAT_TEMPLATE', 'QWEN3_ADDED_TOKENS', 'QWEN3_FIRST_ADDED_ID', 'QWEN3_VOCAB_SIZE', 'QWEN3_NOT_SPECIAL',
-           'QWEN3_PAT_STR', 'RELEASED_GUARD', 'TEACHER_CONTEXTS', 'user_cache_dir', 'qwen3_tokenizer', 'PromptConfig',
-           'student_user_text', 'teacher_user_text', 'student_prompt', 'teacher_prompt', 'prompt_ids',
-           'student_prompt_ids', 'teacher_prompt_ids', 'build_prompts', 'no_reference_template', 'other_reference',
-           'teacher_context_prompt', 'last_boxed', 'Problems', 'InvalidRow', 'load_problems', 'model_context',
-           'check_context', 'check_out_folder']
+           'QWEN3_PAT_STR', 'RELEASED_GUARD', 'TEACHER_CONTEXTS', 'HOLDOUT_SHARE', 'HOLDOUT_MIN_ROWS', 'user_cache_dir',
+           'qwen3_tokenizer', 'PromptConfig', 'student_user_text', 'teacher_user_text', 'student_prompt',
+           'teacher_prompt', 'prompt_ids', 'student_prompt_ids', 'teacher_prompt_ids', 'build_prompts',
+           'no_reference_template', 'other_reference', 'teacher_context_prompt', 'last_boxed', 'Problems', 'InvalidRow',
+           'load_problems', 'model_context', 'check_context', 'check_run_path', 'check_out_folder', 'file_sha256',
+           'holdout_split', 'data_record', 'data_record_of', 'grade_mode_for', 'special_token_texts',
+           'check_special_tokens']
 
 # %% ../nbs/03_data.ipynb #be7e92f0
 QWEN3_CHAT_TEMPLATE = (
@@ -131,6 +133,15 @@ class PromptConfig:
     student_uses_chat_template:bool = True # False: raw user text (the early template mismatch)
     teacher_uses_chat_template:bool = True # False: raw user text
     system:str|None = None # optional system message for both
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v, kind = getattr(self, f.name), str(f.type)
+            ok = (isinstance(v, str) or (v is None and "None" in kind)) if kind.startswith("str") else \
+                 (isinstance(v, bool) or (v is None and "None" in kind))
+            if not ok:
+                want = "a string" if kind.startswith("str") else "true or false" + (" or null" if "None" in kind else "")
+                raise ValueError(f"prompt field {f.name}: expected {want}, got {type(v).__name__} {str(v)[:40]}")
 
     @classmethod
     def early_release(cls, **kw):
@@ -321,7 +332,8 @@ def _iter_rows(source, split):
                         f"got {type(source).__name__}")
     path = Path(source)
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".ndjson", ".json", ".parquet", ".csv") or path.exists():
+    looks_like_file = bool(re.fullmatch(r"\.[A-Za-z][A-Za-z0-9]{0,7}", suffix)) or str(source).startswith((".", "/", "~"))
+    if suffix in (".jsonl", ".ndjson", ".json", ".parquet", ".csv") or path.exists() or looks_like_file:
         if not path.exists(): raise FileNotFoundError(f"problems file {path}: no such file")
         if path.is_dir(): raise ValueError(f"problems file {path}: is a folder; give a .jsonl/.json/.parquet/.csv file")
         if suffix in (".jsonl", ".ndjson"): return str(path), _rows_jsonl(path)
@@ -340,8 +352,8 @@ def _iter_rows(source, split):
         return str(path), ((f"row {i}", r) for i, r in enumerate(df.iter_rows(named=True)))
     try: import datasets
     except ImportError:
-        raise ImportError(f"load_problems: {source!r} is not a file; loading it as a Hugging Face dataset needs "
-                          "`pip install datasets`") from None
+        raise FileNotFoundError(f"problems file {source}: no such file (nor loadable as a Hugging Face dataset name: "
+                                "that needs `pip install datasets`)") from None
     ds = datasets.load_dataset(str(source), split=split or "train")
     return f"{source}[{split or 'train'}]", ((f"row {i}", r) for i, r in enumerate(ds))
 
@@ -426,11 +438,20 @@ def check_context(prompt_ids:list[list[int]], # token ids of each prompt
                      f"{what} tokens); shorten or drop them, or lower max_new_tokens")
 
 # %% ../nbs/03_data.ipynb #afd6815b
+def check_run_path(path, what:str="run folder")->Path:
+    "Refuse an empty path (the working folder) or one starting with an unexpanded `~` (a folder literally named ~)."
+    s = str(path)
+    if not s.strip(): raise ValueError(f"{what}: the path is empty; give a folder path (an empty one would be the "
+                                       "working folder)")
+    if s.startswith("~"): raise ValueError(f"{what} {s!r}: starts with '~', which the shell did not expand (quoted?); "
+                                           "write the full path")
+    return Path(s)
+
 def check_out_folder(path:str|Path, # a folder opsd will create or write into
                      what:str="output folder", # names it in the message ('run folder', '--out', ...)
                     )->Path:
-    "Refuse, before anything is written, a folder path that is a file, lies under a file or cannot be written."
-    p = Path(path).expanduser()
+    "Refuse, before anything is written, a folder path that is empty, unexpanded (~), a file, under a file, unwritable."
+    p = check_run_path(path, what)
     if p.exists() and not p.is_dir():
         raise NotADirectoryError(f"{what} {p}: is a file, not a folder; give a folder path (or move the file away)")
     for parent in p.parents:  # nearest first: the first one that exists decides
@@ -444,3 +465,66 @@ def check_out_folder(path:str|Path, # a folder opsd will create or write into
     if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):
         raise PermissionError(f"{what} {p}: the folder is not writable")
     return p
+
+# %% ../nbs/03_data.ipynb #b32af03b
+HOLDOUT_SHARE = 0.1     # share of a data file's rows held out for evaluation (at least one row)
+HOLDOUT_MIN_ROWS = 10   # files with fewer rows are trained on whole (their evaluation needs --data)
+
+def file_sha256(path:str|Path)->str:
+    "sha256 of a file's bytes."
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""): h.update(chunk)
+    return h.hexdigest()
+
+def holdout_split(problems:list[dict], share:float=HOLDOUT_SHARE)->tuple[list[dict], list[dict]]:
+    "(train, held-out) rows in file order: the rows whose id hashes lowest are held out; none below HOLDOUT_MIN_ROWS."
+    n = len(problems)
+    if n < HOLDOUT_MIN_ROWS: return list(problems), []
+    key = lambda i: hashlib.sha256(str(problems[i].get("id", i)).encode()).hexdigest()
+    held = set(sorted(range(n), key=key)[:max(1, round(n * share))])
+    return [p for i, p in enumerate(problems) if i not in held], [p for i, p in enumerate(problems) if i in held]
+
+def data_record(path:str|Path, # the data file
+                problems:list[dict]|None=None, # its rows (for the held-out split); None: the pin only
+                grade:str|None=None, # the grader its answers get (`grade_mode_for`)
+               )->dict:
+    "What a run records about its data file: absolute path, sha256, and the held-out rows' ids."
+    p = Path(path).resolve()
+    d = dict(path=str(p), sha256=file_sha256(p), bytes=p.stat().st_size)
+    if problems is not None:
+        train, held = holdout_split(problems)
+        d.update(rows=len(problems), train_rows=len(train), heldout_ids=[str(r.get("id", "")) for r in held],
+                 heldout_rule=f"{HOLDOUT_SHARE:g} of the rows, lowest sha256(id); none below {HOLDOUT_MIN_ROWS} rows")
+    if grade is not None: d["grade"] = grade
+    return d
+
+def data_record_of(data)->dict|None:
+    "The pin of a config's `data` when it is a local file (None for no data or a dataset name)."
+    return data_record(data) if data is not None and Path(str(data)).is_file() else None
+
+def grade_mode_for(mode:str, # the world's grader ('exact' for the toy's integers, else 'math')
+                   problems:list[dict], # the rows to grade
+                  )->str:
+    "'exact' only when every answer is a plain integer; otherwise the math grader."
+    if mode == "exact" and not all(re.fullmatch(r"[+-]?\d+", str(p.get("answer", "")).strip()) for p in problems):
+        return "math"
+    return mode
+
+def special_token_texts(tokenizer)->list[str]:
+    "The strings that tokenize as one of the tokenizer's special (control) tokens, longest first."
+    s = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    s |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values() if t.special}
+    return sorted((t for t in s if t), key=len, reverse=True)
+
+def check_special_tokens(tokenizer, problems:list[dict], where:str, fields=("problem", "solution"))->None:
+    "Refuse (one line naming the row, field and token) data text that spells a special token of the tokenizer."
+    toks = special_token_texts(tokenizer)
+    if not toks: return
+    pat = re.compile("|".join(map(re.escape, toks)))
+    for i, p in enumerate(problems):
+        for f in fields:
+            m = pat.search(str(p.get(f) or ""))
+            if m: raise ValueError(f"{where}: row {p.get('id', i)!r}: field {f!r} contains {m.group()!r}, a special token "
+                                   "of the tokenizer, which would become a control token in the prompt (e.g. a fake "
+                                   "turn); remove or rewrite it")

@@ -23,16 +23,17 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import polars as pl
 
-from .data import check_context, last_boxed, model_context
+from .data import check_context, check_special_tokens, last_boxed, model_context
 from .repro import folder_lock, weights_fingerprint
 from .runs import RunDir, adapter_dir, jsonl_rows, list_checkpoints, load_model, rewrite_jsonl, with_adapter
+from .runs import verify_checkpoint
 
 # %% auto #0
-__all__ = ['GRADE_MODES', 'EVAL_COLUMNS', 'EVAL_ROW_SCHEMA', 'KEY_COLUMNS', 'BLOCK_COLUMNS', 'SETTINGS_MODES', 'normalize_answer',
-           'answer_correct', 'grade', 'avg_at_k', 'pass_at_k', 'majority_vote', 'seed_summary', 'default_eval_sampling',
-           'eval_prompt_ids', 'eval_backend', 'evaluate', 'data_hash', 'checkpoint_fingerprint', 'base_fingerprint',
-           'eval_key', 'scan_eval', 'repair_eval', 'current_eval', 'summarize_eval', 'seed_table', 'sweep_checkpoints',
-           'eval_runs']
+__all__ = ['GRADE_MODES', 'EVAL_COLUMNS', 'EVAL_ROW_SCHEMA', 'KEY_COLUMNS', 'BLOCK_COLUMNS', 'SETTINGS_MODES', 'SETTING_COLUMNS',
+           'normalize_answer', 'answer_correct', 'grade', 'avg_at_k', 'pass_at_k', 'majority_vote', 'seed_summary',
+           'default_eval_sampling', 'eval_prompt_ids', 'eval_backend', 'evaluate', 'data_hash',
+           'checkpoint_fingerprint', 'base_fingerprint', 'eval_key', 'scan_eval', 'repair_eval', 'current_eval',
+           'summarize_eval', 'seed_table', 'sweep_checkpoints', 'setting_summary', 'eval_runs']
 
 # %% ../nbs/07_eval.ipynb #b63829f9
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
@@ -316,7 +317,13 @@ def checkpoint_fingerprint(checkpoint) -> str:
     if a is None:
         raise FileNotFoundError(f"{checkpoint}: no LoRA adapter (adapter_config.json) in it or in a sub-folder")
     f = a / "adapter_model.safetensors"
-    return weights_fingerprint(f if f.exists() else a)   # cached per process (05a_repro)
+    try:
+        return weights_fingerprint(f if f.exists() else a)   # cached per process (05a_repro)
+    except Exception as e:   # safetensors' reader on a cut or damaged file
+        if type(e).__name__ != "SafetensorError" and not isinstance(e, (OSError, EOFError)):
+            raise
+        raise ValueError(f"checkpoint file {f}: not readable ({str(e).splitlines()[0][:200]}): truncated or "
+                         "corrupted") from None
 
 
 def base_fingerprint(model, model_path=None) -> str:
@@ -549,6 +556,7 @@ def sweep_checkpoints(
     model_path=None,  # local base-model folder (vLLM, fingerprint; default: the base model's config._name_or_path)
     vllm_memory: float = 0.5,  # vLLM's GPU memory share
     progress: bool = True,  # bars and one timing line per (step, seed)
+    keys: list | None = None,  # gets this call's evaluation key (`eval_key`: the setting), done or not
     **eval_kw,  # passed to `evaluate` (sampling, grade_mode, batch_size, prompt_fn, ...)
 ) -> pl.DataFrame:
     "Evaluate the base and each checkpoint of a run, one keyed block per (step, seed) appended to run_dir/eval.jsonl."
@@ -579,6 +587,11 @@ def sweep_checkpoints(
                   what="student prompt")
     key = eval_key(problems, ids, k, sampling, eval_kw.get("grade_mode", "exact"), getattr(base_model, "dtype", None),
                    base_fingerprint(base_model, model_path), eval_kw.get("extract_fn", last_boxed))
+    if keys is not None:
+        keys.append(key)
+    for s, a in targets:   # every checkpoint's files as opsd wrote them (checksums.json), before any is evaluated
+        if a is not None:
+            verify_checkpoint(a) or verify_checkpoint(Path(a).parent)
     weights = {s: key["key_base"] if a is None else checkpoint_fingerprint(a) for s, a in targets}
     frames = []
     with folder_lock(run.eval_path, "the evaluation log", wait=True):  # one writer of eval.jsonl at a time
@@ -619,6 +632,26 @@ def sweep_checkpoints(
                 if adapter is not None:
                     base_model = model.unload()
     return pl.concat(frames)
+
+
+SETTING_COLUMNS = dict(key_n="n", key_k="k_samples", key_max_new_tokens="max_new_tokens",
+                       key_temperature="temperature", key_top_p="top_p", key_grade="grade", key_data="data")
+
+
+def setting_summary(
+    rows: pl.DataFrame,  # eval rows of one or more runs (eval.jsonl)
+    keys: Sequence[dict],  # the evaluation keys (`eval_key`) of the settings to report
+) -> pl.DataFrame:
+    "The summary of exactly these settings' rows, each row naming its setting (hash, n, k, budget, sampling, grader)."
+    settings = list(dict.fromkeys(k["setting"] for k in keys))
+    if rows.height == 0 or "setting" not in rows.columns or not settings:
+        return summarize_eval(rows) if rows.height else pl.DataFrame()
+    s = summarize_eval(rows.filter(pl.col("setting").is_in(settings)), settings="all")
+    info = pl.DataFrame([{"setting": k["setting"], **{v: k[c] for c, v in SETTING_COLUMNS.items()}}
+                         for k in {k["setting"]: k for k in keys}.values()])
+    lead = [c for c in ("run", "step", "seed", "split") if c in s.columns]
+    s = s.join(info, on="setting", how="left")
+    return s.select(*lead, "setting", *SETTING_COLUMNS.values(), pl.exclude(*lead, "setting", *SETTING_COLUMNS.values()))
 
 
 def _run_folder(path) -> RunDir:
@@ -685,6 +718,8 @@ def eval_runs(
         if len(probs) == 0:
             raise ValueError(f"eval_runs: no problems to evaluate {r.path} on")
         _check_problems(probs)
+        where = getattr(probs, "source", None) or f"evaluation problems of {r.path}"
+        check_special_tokens(tok, probs, where)   # data text spelling a control token: refused
         ids = eval_prompt_ids(tok, probs, eval_kw.get("prompt_fn"), pc)
         check_context(ids, budget, model_context(base), getattr(probs, "source", None) or f"evaluation problems of "
                       f"{r.path}", ids=_unique_ids(probs), what="student prompt")
@@ -697,10 +732,11 @@ def eval_runs(
                                      vllm_memory, eval_kw.get("batch_size") or 64, progress)
         return engine[0]
 
+    keys = []
     for r, probs, pc, _ in plans:
         sweep_checkpoints(r.path, base, tok, probs, k=k, seeds=seeds, steps=steps,
                           backend=get_engine if isinstance(backend, str) else backend,
                           max_new_tokens=max_new_tokens, model_path=path,
-                          progress=progress, grade_mode=grade_mode, prompt_cfg=pc, **eval_kw)
+                          progress=progress, grade_mode=grade_mode, prompt_cfg=pc, keys=keys, **eval_kw)
     rows = pl.concat([read_eval(r.path) for r in runs], how="diagonal_relaxed")
-    return summarize_eval(rows)
+    return setting_summary(rows, keys)

@@ -22,8 +22,9 @@ from .eval import summarize_eval
 from . import plots
 
 # %% auto #0
-__all__ = ['FIGURE_CAPTIONS', 'eval_summary', 'run_summary', 'report_figures', 'write_pngs', 'figure_caption', 'report_lead',
-           'token_view_fragment', 'report_from_frames', 'load_run', 'unique_run_labels', 'write_report']
+__all__ = ['FIGURE_CAPTIONS', 'REPLICATE_FIELDS', 'eval_summary', 'run_summary', 'report_figures', 'write_pngs', 'figure_caption',
+           'report_lead', 'token_view_fragment', 'report_from_frames', 'config_groups', 'load_run', 'unique_run_labels',
+           'write_report']
 
 # %% ../nbs/10_report.ipynb #997c2d22
 _CONFIG_KEYS = ("clip", "tau", "beta")
@@ -403,6 +404,42 @@ rows.</p>
     index.write_text(page, encoding="utf-8")
     return index
 
+# %% ../nbs/10_report.ipynb #b92b0dc3
+REPLICATE_FIELDS = ("seed", "run_dir", "name", "save_every", "log_positions", "cpu_threads")  # not part of a config
+
+
+def _cfg_value(v) -> str:
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def config_groups(
+    configs: dict,  # run label -> its config (config.json)
+) -> tuple[dict, list]:  # (run label -> its group label), fields that differ between the runs
+    "Each run's config group: the clip mode, plus every other field that differs between the runs (seeds aside)."
+    fields = sorted(set().union(*map(set, configs.values())) - set(REPLICATE_FIELDS)) if configs else []
+    differ = [f for f in fields if len({_cfg_value(c.get(f)) for c in configs.values()}) > 1]
+    label = {}
+    for run, c in configs.items():
+        rest = [f"{f}={c.get(f)}" for f in differ if f != "clip"]
+        label[run] = ", ".join([str(c.get("clip"))] + rest) if "clip" in c else (", ".join(rest) or "all")
+    return label, differ
+
+
+def _regroup(frames: list, configs: dict) -> tuple[list, pl.DataFrame | None]:
+    "Frames whose clip column names each run's config group where one clip mode holds several configs; the table."
+    label, differ = config_groups(configs)
+    by_clip = {}
+    for run, c in configs.items(): by_clip.setdefault(c.get("clip"), set()).add(label[run])
+    if not differ or all(len(v) == 1 for v in by_clip.values()):
+        return frames, None
+    m = pl.DataFrame(dict(run=list(label), _group=list(label.values())))
+    relabel = lambda f: (f.join(m, on="run", how="left").with_columns(pl.coalesce("_group", pl.col("clip").cast(pl.Utf8))
+                          .alias("clip")).drop("_group") if f is not None and f.height and "run" in f.columns and
+                         "clip" in f.columns else f)
+    table = pl.DataFrame([dict(run=r, group=label[r], **{f: _cfg_value(configs[r].get(f)) for f in differ})
+                          for r in configs])
+    return [relabel(f) for f in frames], table
+
 # %% ../nbs/10_report.ipynb #2f459d1f
 def load_run(
     run_dir: str | Path,  # a run folder written by opsd.train
@@ -502,6 +539,9 @@ def write_report(
         tables = {**(tables or {}), "Runs that share a name": note}
     metrics = _concat([m for m, _, _, _ in loaded])
     configs = {lab: c for lab, (_, _, _, c) in zip(labels, loaded)}
-    return report_from_frames(metrics, _concat([e for _, e, _, _ in loaded]), _concat([p for _, _, p, _ in loaded]),
-                              configs, out_dir, title=title, png=png, show_replicates=show_replicates, tables=tables,
+    frames, groups = _regroup([metrics, _concat([e for _, e, _, _ in loaded]), _concat([p for _, _, p, _ in loaded])],
+                              configs)   # one clip mode, several configs: a line per config, never a band over them
+    if groups is not None:
+        tables = {**(tables or {}), "Runs of different configs (each its own line)": groups}
+    return report_from_frames(*frames, configs, out_dir, title=title, png=png, show_replicates=show_replicates, tables=tables,
                               token_views=views)

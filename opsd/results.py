@@ -11,11 +11,11 @@ import numpy as np
 import polars as pl
 
 # %% auto #0
-__all__ = ['RUN_LOGS', 'WINDOW', 'TOY_CLIPS', 'SMOLLM2_ARMS', 'TOY_ROWS', 'SMOL_ROWS', 'repo_root', 'store_dir', 'run_folders',
-           'add_study', 'manifest', 'read_study', 'run_effects', 'per_problem', 't_interval', 'bootstrap', 'widest',
-           'verdict', 'effect', 'fmt', 'fmt_ci', 'toy_effects', 'toy_table', 'toy_table_md', 'smollm2_effects',
-           'smollm2_table', 'smollm2_table_md', 'speed_table', 'recipe_speed', 'speed_claim', 'smollm2_study',
-           'paired_table', 'claims', 'main']
+__all__ = ['RUN_LOGS', 'WINDOW', 'TOY_CLIPS', 'SMOLLM2_ARMS', 'TOY_ROWS', 'SMOL_ROWS', 'PRIVILEGE_ARMS', 'PRIVILEGE_STUDIES',
+           'repo_root', 'store_dir', 'run_folders', 'add_study', 'manifest', 'read_study', 'run_effects', 'per_problem',
+           't_interval', 'bootstrap', 'widest', 'verdict', 'effect', 'fmt', 'fmt_ci', 'toy_effects', 'toy_table',
+           'toy_table_md', 'smollm2_effects', 'smollm2_table', 'smollm2_table_md', 'speed_table', 'recipe_speed',
+           'speed_claim', 'smollm2_study', 'paired_table', 'privilege_study', 'gain_share', 'claims', 'main']
 
 # %% ../nbs/13_results.ipynb #7a4154ee
 def repo_root(start:str|Path|None=None)->Path:
@@ -122,7 +122,8 @@ def _run_cols(run:Path, study_root:Path)->dict:
     return dict(run=f"{group}/{name}" if group else name, group=group,   # unique across groups (bases)
                 arm=name[: -len(f"-s{seed}")] if name.endswith(f"-s{seed}") else name,
                 teacher=model.split(":", 1)[1] if model.startswith("toy:") else Path(model).name or model,
-                clip=c.get("clip"), seed=seed, lr_peak=c.get("lr"), scheduler=c.get("scheduler"),
+                clip=c.get("clip"), teacher_context=c.get("teacher_context", "reference"), seed=seed,
+                lr_peak=c.get("lr"), scheduler=c.get("scheduler"),
                 max_grad_norm=c.get("max_grad_norm"))
 
 def read_study(study:str, store:str|Path|None=None, group:str|None=None,
@@ -441,6 +442,47 @@ def paired_table(fx:pl.DataFrame, arms:Sequence[str], rows=TOY_ROWS, evals:pl.Da
                      + ("within noise" if w["lo"] < 0 < w["hi"] else "resolved")
                      + f"; a cost above {-100 * w['lo']:.1f} pts is ruled out")
     print("\n".join(lines))
+
+# %% ../nbs/13_results.ipynb #109e36d2
+PRIVILEGE_ARMS = ("scaled:reference", "scaled:none", "scaled:wrong", "entry:reference", "entry:none")
+PRIVILEGE_STUDIES = dict(toy=(("toy-clips", "base0"), ("toy-privilege", None)),   # (study, group) pairs per world
+                         smollm2=(("smollm2-privilege", None),))
+
+def privilege_study(world:str, # 'toy' or 'smollm2'
+                    store=None)->tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    "The teacher-context arms of a world (arm = clip:teacher_context): `run_effects` rows, metrics, eval rows."
+    if world not in PRIVILEGE_STUDIES: raise ValueError(f"privilege_study: world must be one of {list(PRIVILEGE_STUDIES)}")
+    ms, es = [], []
+    for study, group in PRIVILEGE_STUDIES[world]:
+        m, e, _ = read_study(study, store, group)
+        ms.append(m); es.append(e)
+    arm = (pl.col("clip") + ":" + pl.col("teacher_context")).alias("arm")
+    m, e = (pl.concat(f, how="diagonal_relaxed").with_columns(arm, pl.lit("").alias("group"))
+            .filter(pl.col("arm").is_in(PRIVILEGE_ARMS)) for f in (ms, es))
+    if "key_temperature" in e.columns and world == "smollm2": e = e.filter(pl.col("key_temperature") == 0)   # greedy
+    return run_effects(m, e).sort("arm", "seed"), m.sort("arm", "seed", "step"), e
+
+def gain_share(evals:pl.DataFrame, # eval rows of both arms (an `arm` column)
+               ref:str, other:str, # the arm whose gain is shared out, and the arm without the privilege
+               n_boot:int=4000, level:float=0.95, seed:int=0)->dict:
+    "1 - gain(other) / gain(ref), a percentile interval redrawing seeds and problems (paired); none if ref's gain is unresolved."
+    ch = per_problem(evals)
+    (_, (R,)), (_, (O,)) = (_cube(ch.filter(pl.col("arm") == a).drop("group", strict=False)) for a in (ref, other))
+    if R.shape != O.shape: raise ValueError(f"gain_share: {ref} and {other} differ in seeds or problems: {R.shape}, {O.shape}")
+    rng = np.random.default_rng(seed)
+    reps, gains = np.empty(n_boot), np.empty(n_boot)
+    for b in range(n_boot):
+        si, pi = rng.integers(R.shape[0], size=R.shape[0]), rng.integers(R.shape[1], size=R.shape[1])
+        r, o = R[si][:, pi].mean(), O[si][:, pi].mean()
+        gains[b], reps[b] = r, 1 - o / r if r != 0 else np.nan
+    a = (1 - level) / 2
+    g_lo, g_hi = np.quantile(gains, [a, 1 - a])
+    out = dict(ref=ref, other=other, gain_ref=float(R.mean()), gain_other=float(O.mean()),
+               gain_ref_ci=(float(g_lo), float(g_hi)), seeds=R.shape[0], problems=R.shape[1])
+    if not g_lo > 0: return out | dict(share=None, why=f"{ref}'s gain is not resolved above 0 "
+                                                         f"({fmt_ci(dict(lo=g_lo, hi=g_hi), True)} pts)")
+    lo, hi = np.nanquantile(reps, [a, 1 - a])
+    return out | dict(share=float(1 - O.mean() / R.mean()), lo=float(lo), hi=float(hi))
 
 # %% ../nbs/13_results.ipynb #e3567721
 def claims(store=None)->dict:

@@ -4,18 +4,20 @@
 
 # %% ../nbs/05b_runs.ipynb #1f940b4a
 from __future__ import annotations
-import errno, json, os, re, shutil, warnings
+import errno, json, os, re, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 import polars as pl
 
+from .data import check_run_path
+
 # %% auto #0
-__all__ = ['DTYPES', 'disk_full', 'full_error', 'write_bytes', 'append_jsonl', 'jsonl_rows', 'read_jsonl', 'write_atomic',
-           'rewrite_jsonl', 'checkpoint_step', 'adapter_dir', 'is_checkpoint', 'RunDir', 'read_metrics',
-           'read_positions', 'read_eval', 'read_config', 'latest_checkpoint', 'list_checkpoints', 'run_folders',
-           'RunData', 'read_run', 'torch_dtype', 'with_adapter', 'check_model_path', 'load_tokenizer',
-           'end_token_mismatch', 'load_model']
+__all__ = ['CHECKSUMS', 'CHECKPOINT_FILES', 'DTYPES', 'disk_full', 'full_error', 'write_bytes', 'append_jsonl', 'jsonl_rows',
+           'read_jsonl', 'write_atomic', 'rewrite_jsonl', 'checkpoint_step', 'adapter_dir', 'is_checkpoint',
+           'write_checksums', 'verify_checkpoint', 'RunDir', 'read_metrics', 'read_positions', 'read_eval',
+           'read_config', 'latest_checkpoint', 'list_checkpoints', 'run_folders', 'RunData', 'read_run', 'torch_dtype',
+           'with_adapter', 'check_model_path', 'load_tokenizer', 'end_token_mismatch', 'load_model']
 
 # %% ../nbs/05b_runs.ipynb #ee9d6b82
 _FULL = (errno.ENOSPC, errno.EFBIG)   # no space left on the device; a file size limit (ulimit -f, quotas)
@@ -135,20 +137,75 @@ def is_checkpoint(path: str | Path) -> bool:
     path = Path(path)
     return path.is_dir() and re.fullmatch(r"step-\d+", path.name) is not None and adapter_dir(path) is not None
 
+CHECKSUMS = "checksums.json"   # in each checkpoint: sha256 of every file opsd wrote there (its manifest)
+CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md", "trainer_state.pt",
+                    "state.json", "rollout_adapter.safetensors", "rollout_group.json", CHECKSUMS)  # opsd's names
+
+def _sha256_file(path: Path) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""): h.update(chunk)
+    return h.hexdigest()
+
+def write_checksums(folder: str | Path) -> dict:
+    "Write `checksums.json` in a checkpoint folder: the sha256 and size of every file in it (written last)."
+    folder = Path(folder)
+    files = {str(p.relative_to(folder)): dict(sha256=_sha256_file(p), size=p.stat().st_size)
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != CHECKSUMS}
+    write_bytes(folder / CHECKSUMS, json.dumps(dict(files=files), indent=1).encode())
+    return files
+
+_VERIFIED: dict = {}   # (file, size, mtime_ns) -> sha256 already checked in this process
+
+def verify_checkpoint(folder: str | Path) -> bool:
+    "Check a checkpoint's files against its `checksums.json` (one-line error naming the file); False when it has none."
+    folder = Path(folder)
+    man = folder / CHECKSUMS
+    if not man.is_file(): return False
+    try: files = json.loads(man.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise ValueError(f"checkpoint file {man}: not a readable checksum list (corrupted)") from None
+    for rel, want in files.items():
+        p = folder / rel
+        if not p.is_file(): raise ValueError(f"checkpoint file {p}: missing (it was listed when opsd wrote "
+                                             f"{folder.name}); the checkpoint is incomplete")
+        st = p.stat()
+        if st.st_size != want["size"]:
+            raise ValueError(f"checkpoint file {p}: {st.st_size} bytes, but {want['size']} were written (truncated or "
+                             "changed); the checkpoint cannot be trusted: delete it to use the one before")
+        k = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+        got = _VERIFIED.get(k) or _sha256_file(p)
+        if got != want["sha256"]:
+            raise ValueError(f"checkpoint file {p}: checksum mismatch (its bytes changed after opsd wrote it: "
+                             "corrupted); the checkpoint cannot be trusted: delete it to use the one before")
+        _VERIFIED[k] = got
+    return True
+
+def _fresh_blockers(path: Path) -> None:
+    "Refuse --fresh where it would have to follow a symbolic link out of the run folder (nothing is removed yet)."
+    cd = path / "checkpoints"
+    if cd.is_symlink():
+        raise ValueError(f"run folder {path}: checkpoints/ is a symbolic link (to {os.readlink(cd)}); --fresh removes "
+                         "only files inside the run folder: remove the link, or use another run folder")
+
 class RunDir:
     "A run folder: the one reader and writer of its config, logs and checkpoints."
-    RUN_FILES = ("config.json", "metrics.jsonl", "positions.jsonl", "eval.jsonl", "starts.jsonl")  # what runs write
-    def __init__(self, path: str | Path): self.path = Path(path)
+    RUN_FILES = ("config.json", "metrics.jsonl", "positions.jsonl", "eval.jsonl", "starts.jsonl",
+                 "data.json")  # what runs write at the top
+    def __init__(self, path: str | Path): self.path, self._given = Path(path), str(path)
     def __repr__(self): return f"RunDir({str(self.path)!r})"
     config_path = property(lambda self: self.path / "config.json")
     metrics_path = property(lambda self: self.path / "metrics.jsonl")
     positions_path = property(lambda self: self.path / "positions.jsonl")
     eval_path = property(lambda self: self.path / "eval.jsonl")
     starts_path = property(lambda self: self.path / "starts.jsonl")
+    data_path = property(lambda self: self.path / "data.json")   # the training data's pin and held-out split
     checkpoints_dir = property(lambda self: self.path / "checkpoints")
 
     def make(self) -> Path:
         "Create the folder; a file in its place or above it is a clear error (before anything is written)."
+        check_run_path(self._given)
         for p in (self.path, *self.path.parents):
             if p.exists() and not p.is_dir():
                 where = "is a file" if p == self.path else f"is under {p}, which is a file"
@@ -160,8 +217,21 @@ class RunDir:
     def read_config(self) -> dict:
         if not self.config_path.exists():
             raise FileNotFoundError(f"{self.config_path}: no config (is {self.path} a run folder?)")
-        try: return json.loads(self.config_path.read_text())
-        except json.JSONDecodeError as e: raise ValueError(f"{self.config_path}: not valid JSON ({e})") from e
+        try: d = json.loads(self.config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.config_path}: not valid JSON ({e})") from None
+        if not isinstance(d, dict) or not d:
+            raise ValueError(f"{self.config_path}: holds {json.dumps(d)[:40]}, not the mapping of config fields "
+                             "`opsd train` writes (edited or damaged)")
+        return d
+    def write_data(self, d: dict): write_atomic(self.data_path, json.dumps(d, indent=1))
+    def read_data(self) -> dict | None:
+        "The run's data record (`data.json`), or None when it has none (no data file, or an older opsd)."
+        if not self.data_path.exists(): return None
+        try: d = json.loads(self.data_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError): d = None
+        if not isinstance(d, dict): raise ValueError(f"{self.data_path}: not the data record opsd writes (damaged)")
+        return d
     @property
     def name(self) -> str:
         "The run's name from its config, else the folder name."
@@ -182,11 +252,27 @@ class RunDir:
         for p in (self.metrics_path, self.positions_path):
             if p.exists(): rewrite_jsonl(p, [r for r in jsonl_rows(p) if r.get("step", -1) <= step])
 
-    def clear(self):
-        "Remove everything a run wrote (RUN_FILES, their temporaries, checkpoints); other files and the lock stay."
+    def clear(self) -> list[Path]:
+        """Remove only what opsd wrote: RUN_FILES (and temporaries), and in checkpoints/step-N(.tmp|.old) the files its
+        manifest (`checksums.json`, else opsd's file names) lists; never follows a link. Returns what it kept."""
+        _fresh_blockers(self.path)
         for name in self.RUN_FILES:
             for p in (self.path / name, self.path / (name + ".tmp")): p.unlink(missing_ok=True)
-        shutil.rmtree(self.checkpoints_dir, ignore_errors=True)
+        kept, cd = [], self.checkpoints_dir
+        if not cd.is_dir(): return kept
+        for d in sorted(cd.iterdir()):
+            if d.is_symlink() or not d.is_dir() or not re.fullmatch(r"step-\d+(\.tmp|\.old)?", d.name):
+                kept.append(d); continue
+            try: listed, by_name = set(json.loads((d / CHECKSUMS).read_text())["files"]) | {CHECKSUMS}, False
+            except (OSError, ValueError, KeyError, TypeError): listed, by_name = set(CHECKPOINT_FILES), True
+            for f in sorted(d.rglob("*"), key=lambda p: -len(p.parts)):   # files first, then emptied sub-folders
+                rel = str(f.relative_to(d))
+                if (f.is_file() or f.is_symlink()) and (rel in listed or by_name and f.name in listed): f.unlink()
+                elif f.is_dir() and not f.is_symlink() and not any(f.iterdir()): f.rmdir()
+                elif f.is_file() or f.is_symlink(): kept.append(f)
+            if not any(d.iterdir()): d.rmdir()
+        if not any(cd.iterdir()): cd.rmdir()
+        return kept
 
     def checkpoints(self) -> list[Path]:
         "The checkpoint folders (`is_checkpoint`), by step."
@@ -258,7 +344,13 @@ def with_adapter(model, # a loaded base model (the one the adapter was trained o
     from peft import PeftModel
     a = adapter_dir(adapter)
     if a is None: raise FileNotFoundError(f"{adapter}: no LoRA adapter (adapter_config.json) in it or in a sub-folder")
-    return PeftModel.from_pretrained(model, str(a))
+    for d in dict.fromkeys((Path(adapter), a, a.parent)):   # the step-N folder holds the manifest
+        if verify_checkpoint(d): break
+    try: return PeftModel.from_pretrained(model, str(a))
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError" and not isinstance(e, (OSError, EOFError)): raise
+        raise ValueError(f"checkpoint file {a / 'adapter_model.safetensors'}: not readable "
+                         f"({str(e).splitlines()[0][:200]}): truncated or corrupted") from None
 
 def _hub_like(path: str) -> bool:
     "Whether a missing path could be a hub name ('org/name' or 'name'), rather than a local folder."

@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_train.ipynb #81ecd379
 from __future__ import annotations
-import dataclasses, io, json, math, os, random, shutil, signal, time, warnings
+import dataclasses, errno, io, json, math, os, random, shutil, signal, time, warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -28,19 +28,25 @@ from .kernels import apply_kernels, fuse_lora
 from .packing import host_prepared, side_logits, side_hidden, use_packed_attention
 from .overlap import Overlap
 from .runs import RunDir, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
+from .runs import write_checksums, verify_checkpoint, _fresh_blockers
+from .data import data_record_of, check_special_tokens
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'patch', 'RESUME_MAY_DIFFER', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing',
-           'bf16_adapter_compute', 'Teacher', 'save_checkpoint', 'read_trainer_state', 'load_checkpoint', 'StepPlan',
-           'Samples', 'PendingRollout', 'BackwardResult', 'UpdateResult', 'Timings', 'rollout_engine_kw',
-           'engine_settings', 'OPSDTrainer', 'length_groups', 'padded_share', 'config_differences', 'check_run_config',
-           'check_same_base', 'base_fingerprint', 'train']
+__all__ = ['CHECKPOINT_FORMAT', 'patch', 'COLLAPSE_ENTROPY', 'WEIGHT_LIMIT', 'RESUME_MAY_DIFFER', 'add_lora', 'trainable',
+           'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher', 'save_checkpoint',
+           'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'PendingRollout', 'BackwardResult',
+           'UpdateResult', 'Timings', 'rollout_engine_kw', 'engine_settings', 'OPSDTrainer', 'length_groups',
+           'padded_share', 'Interrupted', 'divergence', 'check_writable', 'check_same_data', 'config_differences',
+           'check_run_config', 'check_same_base', 'base_fingerprint', 'train']
 
 # %% ../nbs/06_train.ipynb #8b368d88
 def add_lora(model, cfg: OPSDConfig):
     "Wrap a model with LoRA adapters (peft) on the configured projections."
     from peft import LoraConfig, get_peft_model
     present = {n.split(".")[-1] for n, _ in model.named_modules()}
+    if not all(isinstance(t, str) for t in cfg.lora_targets):
+        raise ValueError(f"config field lora_targets={list(cfg.lora_targets)!r}: expected a list of module names "
+                         "(e.g. [q_proj, v_proj])")
     targets = [t for t in cfg.lora_targets if t in present]
     if not targets: raise ValueError(f"none of lora_targets {cfg.lora_targets} exist in the model")
     lc = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets,
@@ -168,15 +174,19 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, teacher: Te
         _test_pause("save", step)
         write_bytes(tmp / "trainer_state.pt", buf.getbuffer())
         write_bytes(tmp / "state.json", json.dumps(dict(step=step)).encode())
+        write_checksums(tmp)   # last: the manifest of opsd's files, verified on every load
         if final.exists(): shutil.rmtree(old, ignore_errors=True); os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         why = disk_full(e)
-        if why is None: raise
+        denied = isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+        if why is None and not denied: raise
         prev = [p for p in run.checkpoints() if checkpoint_step(p) != step]
         kept = f"the previous checkpoint {prev[-1].name} is intact" if prev else "no earlier checkpoint exists"
+        if denied: raise PermissionError(f"cannot write checkpoint step-{step} to {run.checkpoints_dir} ({e.strerror}); "
+                                         f"{kept}; make the folder writable, then run the same command again") from None
         raise full_error(f"checkpoint step-{step} to {run.checkpoints_dir}", why, kept) from None
     return final
 
@@ -186,6 +196,9 @@ def read_trainer_state(path) -> dict:
     path = Path(path)
     fix = "start over with --fresh, or move the checkpoint out of the run folder"
     import zipfile
+    if path.is_file() and not zipfile.is_zipfile(path) and path.read_bytes()[:4] == b"PK\x03\x04":
+        raise ValueError(f"checkpoint file {path}: truncated or corrupted (a torch zip archive that does not read "
+                         f"back whole); {fix}")
     if path.is_file() and not zipfile.is_zipfile(path):   # torch.save writes a zip archive; a bare pickle is refused
         raise ValueError(f"{path}: refused: not a trainer state written by opsd (not a torch zip archive; a plain "
                          f"pickle could run code); {fix}")
@@ -207,8 +220,14 @@ def load_checkpoint(path, model, optimizer, scheduler, teacher: Teacher) -> int:
     if not (path / "trainer_state.pt").exists():
         raise FileNotFoundError(f"{path}: a checkpoint without trainer_state.pt (an adapter only, not written by the "
                                 "trainer) cannot be resumed; move it out of the run folder or start a fresh run")
-    st = read_trainer_state(path / "trainer_state.pt")
-    set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")))
+    st = read_trainer_state(path / "trainer_state.pt")   # (tensors and plain values only: refuses pickled code first)
+    verify_checkpoint(path)   # checksums.json: every file as opsd wrote it (one line naming the file that is not)
+    try: weights = load_file(str(path / "adapter_model.safetensors"))
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError" and not isinstance(e, OSError): raise
+        raise ValueError(f"checkpoint file {path / 'adapter_model.safetensors'}: not readable "
+                         f"({str(e).splitlines()[0][:200]}): truncated or corrupted") from None
+    set_peft_model_state_dict(model, weights)
     optimizer.load_state_dict(st["optimizer"]); scheduler.load_state_dict(st["scheduler"])
     teacher.load_state_dict(st["teacher"])
     _set_rng_state(st["rng"])
@@ -399,6 +418,7 @@ class OPSDTrainer:
         from transformers import AutoConfig
         limit = model_context(AutoConfig.from_pretrained(str(self.model_path)))
         where = self.cfg.data or getattr(self.problems, "source", "") or "the problems"
+        check_special_tokens(self.tok, self.problems, where)   # control tokens spelled in the data: refused
         ids = [r.get("id", i) for i, r in enumerate(self.problems)]
         try: [self.prompts(i) for i in range(len(self.problems))]   # teacher_context='wrong' needs 2 distinct answers
         except ValueError as e: raise ValueError(f"{where}: {e}") from None
@@ -679,6 +699,66 @@ def _keep_positions(self: OPSDTrainer, step: int, back: BackwardResult):
         self._positions = [dict(run=self.name, step=step, clip=self.cfg.clip, **r) for r in p.to_dicts()]
 
 
+# %% ../nbs/06_train.ipynb #e5b9b697
+COLLAPSE_ENTROPY = 0.99   # student entropy at or above this share of log(vocabulary), with a zero gradient: collapsed
+WEIGHT_LIMIT = 1e6        # an adapter weight beyond this magnitude: the update blew up (LoRA weights stay far below 1)
+
+class Interrupted(KeyboardInterrupt):
+    "SIGINT or SIGTERM during training: a checkpoint was saved (or the second signal aborted); exit 128 + signum."
+    def __init__(self, signum: int = signal.SIGINT): super().__init__(signum); self.signum = int(signum)
+
+def divergence(row: dict, # a metrics row of the step
+               params: Sequence[torch.Tensor], # the trainable weights after the step's update
+               vocab: int | None = None, # the model's vocabulary size (for the collapse test)
+              ) -> str | None:
+    "Why a step diverged (non-finite loss, gradient or weights; a collapsed uniform policy), or None."
+    for k in ("loss", "grad_norm"):
+        v = row.get(k)
+        if v is not None and not math.isfinite(v): return f"the {k.replace('_', ' ')} is {v}"
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        return "the adapter weights are no longer finite after the update"
+    big = max((float(p.detach().abs().max()) for p in params if p.numel()), default=0.0)
+    if big > WEIGHT_LIMIT: return f"an adapter weight reached {big:.3g} after the update (limit {WEIGHT_LIMIT:g})"
+    ent = row.get("entropy/student")
+    if vocab and row.get("grad_norm") == 0.0 and ent is not None and ent >= COLLAPSE_ENTROPY * math.log(vocab):
+        return (f"the policy collapsed to uniform output (student entropy {ent:.3f} nats, log V = {math.log(vocab):.3f}) "
+                "and the gradient is exactly 0")
+    return None
+
+@patch
+def diverged(self: OPSDTrainer, step: int, why: str) -> RuntimeError:
+    "The one-line error of a diverged step (nothing of it was saved)."
+    last = self.run.latest_checkpoint()
+    kept = f"the last checkpoint, {last.name}, is kept" if last else "no checkpoint was written"
+    return RuntimeError(f"run {self.run_dir} diverged at step {step}: {why}; stopped before saving that step ({kept}); "
+                        f"lower lr (now {self.cfg.lr:g}) or max_grad_norm")
+
+OPSDTrainer.vocab_size = property(lambda self: decoder_of(self.unwrapped)[1].get_output_embeddings().weight.shape[0])
+
+def check_writable(run: RunDir):
+    "Refuse, before any step, a run folder whose checkpoints could not be written (read-only folder or file system)."
+    import errno
+    for d in (run.path, run.checkpoints_dir):
+        if not d.is_dir(): continue
+        probe = d / ".opsd-write-test"
+        try: probe.write_bytes(b""); probe.unlink()
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS): raise
+            raise PermissionError(f"run folder {run.path}: {d} is not writable ({e.strerror}); checkpoints could not be "
+                                  "saved: make it writable, or use another run folder") from None
+
+def check_same_data(run_dir, record: dict | None, allow: bool = False):
+    "Refuse to resume a run on data whose content differs from what it recorded (`data.json`), unless `allow`."
+    rd = RunDir(run_dir)
+    old = rd.read_data()
+    if record is None or old is None or old.get("sha256") == record.get("sha256"): return
+    if not (rd.latest_checkpoint() or rd.metrics_path.exists()): return   # nothing was trained on it yet
+    was, now = f"{old.get('path')} (sha256 {str(old.get('sha256'))[:12]})", f"{record['path']} (sha256 {record['sha256'][:12]})"
+    if allow:
+        print(f"[opsd] data changed since this run started: {was} -> {now}; resuming on it (allowed)"); return
+    raise ValueError(f"run folder {rd.path} was trained on data {was}, but the data is now {now} (edited since, or "
+                     f"another file); pass --allow-data-change to resume on it anyway, or {_FIX}")
+
 # %% ../nbs/06_train.ipynb #50843787
 RESUME_MAY_DIFFER = ("run_dir", "save_every", "report_to")   # where the folder is, where checkpoints fall: no number changes
 
@@ -696,7 +776,9 @@ def config_differences(old: dict, # a saved config.json
 
 _FIX = "start over with --fresh (opsd train; fit(resume=False)), or use another run folder"
 
-def check_run_config(run_dir, cfg: OPSDConfig):
+def check_run_config(run_dir, cfg: OPSDConfig,
+                     data_pinned: bool = False, # the data is checked by content (`check_same_data`), not by its path
+                    ):
     "Refuse to resume `run_dir` with `cfg` when its saved config differs on a field that changes results."
     rd = RunDir(run_dir)
     fix = _FIX
@@ -706,6 +788,7 @@ def check_run_config(run_dir, cfg: OPSDConfig):
                              f"wrote them is unknown; {fix}")
         return
     diff = config_differences(rd.read_config(), cfg.to_dict())
+    if data_pinned and rd.read_data() is not None: diff.pop("data", None)   # a path written another way, same content
     if diff:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"run folder {rd.path} holds a run with another config ({listed}); {fix}")
@@ -783,19 +866,30 @@ def _main_thread():
     return threading.current_thread() is threading.main_thread()
 
 @patch
-def fit(self: OPSDTrainer, resume: bool = True, stop_after: int | None = None) -> Path:
+def fit(self: OPSDTrainer, resume: bool = True, stop_after: int | None = None,
+        data_record: dict | None = None, # the data's pin and held-out split (`opsd.data.data_record`; None: made here)
+        allow_data_change: bool = False, # resume on data whose content differs from the run's recorded data
+       ) -> Path:
     "Train to cfg.steps, resuming from the latest checkpoint (resume=False: clear the folder first); one writer."
     main = self.acc.is_main_process
     self.run.make()
     with folder_lock(self.run_dir, "run folder", wait=False) if main else nullcontext():
         fingerprint = base_fingerprint(self.model_path)
+        data_record = data_record or data_record_of(self.cfg.data)
+        check_writable(self.run)
         if resume:   # every process reads; nothing is written yet
-            check_run_config(self.run_dir, self.cfg)
+            check_run_config(self.run_dir, self.cfg, data_pinned=data_record is not None)
             check_same_base(self.run_dir, fingerprint)
+            check_same_data(self.run_dir, data_record, allow_data_change)
+        else: _fresh_blockers(self.run.path)
         self.acc.wait_for_everyone()
-        if not resume and main: self.run.clear()
+        if not resume and main:
+            kept = self.run.clear()
+            if kept: print(f"[opsd] --fresh removed only what opsd wrote; kept {len(kept)} other path(s): "
+                           + ", ".join(str(p.relative_to(self.run.path)) for p in kept[:5]))
         start = self.resume() if resume else 0
         if main:   # only now, after every check and the checkpoint's load, the record changes
+            if data_record is not None: self.run.write_data(data_record)
             self.run.write_config(self.cfg.to_dict())
             self.run.append_start(self.start_record(start, fresh=not resume, fingerprint=fingerprint))
         return self._loop(start, stop_after)
@@ -805,35 +899,43 @@ def _loop(self: OPSDTrainer, start: int, stop_after: int | None) -> Path:
     "Steps start+1 .. cfg.steps (or stop_after): one metrics row each, checkpoints; SIGINT saves, then exits."
     from tqdm.auto import tqdm
     cfg = self.cfg
-    interrupted = {"flag": False}
+    interrupted = {"flag": False, "signum": signal.SIGINT}
     def on_sigint(signum, frame):
-        if interrupted["flag"]: raise KeyboardInterrupt
-        interrupted["flag"] = True
-        print("\n[opsd] interrupt: finishing step, saving a checkpoint, then exiting (press again to abort at once)")
-    old = signal.signal(signal.SIGINT, on_sigint) if self.acc.is_main_process and _main_thread() else None
+        if interrupted["flag"]: raise Interrupted(signum)
+        interrupted.update(flag=True, signum=signum)
+        print(f"\n[opsd] {signal.Signals(signum).name}: finishing step, saving a checkpoint, then exiting (send it "
+              "again to abort at once)", flush=True)
+    handled = (signal.SIGINT, signal.SIGTERM)   # SIGTERM: what job schedulers send before they kill
+    old = ({s: signal.signal(s, on_sigint) for s in handled} if self.acc.is_main_process and _main_thread()
+           else None)
     last = min(cfg.steps, stop_after) if stop_after else cfg.steps
     bar = tqdm(range(start + 1, last + 1), initial=start, total=cfg.steps, desc=self.name,
                disable=not (self.progress and self.acc.is_main_process), dynamic_ncols=True)
     try:
         for step in bar:
             self._positions = None
-            row = self.step(step)
+            try: row = self.step(step)
+            except RuntimeError as e:   # sampling from weights that overflowed (torch.multinomial's check)
+                if "inf" not in str(e) or "nan" not in str(e): raise
+                raise self.diverged(step, f"the rollout's probabilities are not finite ({str(e)[:60]})") from None
+            why = divergence(row, self.params, self.vocab_size)
             self.step_done = step
             if self.acc.is_main_process:
                 self.run.append_metrics(row)
                 from opsd.trackers import log_metrics_row; log_metrics_row(self, row)   # report_to's trackers
                 if self._positions: self.run.append_positions(self._positions)
                 _test_pause("step", step)
+            if why: raise self.diverged(step, why)
             acc = "-" if row["sampled_acc"] is None else f"{row['sampled_acc']:.2f}"
             bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row['kl/true']:.4f}",
                             argmax_clip=f"{row['entry/argmax_clipped_frac']:.2f}", acc=acc)
             if step % cfg.save_every == 0 or step == cfg.steps: self.save(step)
             if interrupted["flag"]:
                 if step % cfg.save_every and step != cfg.steps: self.save(step)
-                raise KeyboardInterrupt
+                raise Interrupted(interrupted["signum"])
     finally:
         bar.close()
-        if old is not None: signal.signal(signal.SIGINT, old)
+        for s, h in (old or {}).items(): signal.signal(s, h)
     return self.run_dir
 
 def train(cfg: OPSDConfig, problems: Sequence[dict] | None = None, resume: bool = True, **kw) -> Path:

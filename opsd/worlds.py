@@ -39,8 +39,8 @@ class World:
 
     @property
     def grade_mode(self) -> str:
-        "How answers are graded (`opsd.eval.grade`): exact for the toy's integers, math otherwise."
-        return "exact" if self.kind == "toy" else "math"
+        "How answers are graded (`opsd.eval.grade`): exact for the toy's own integers, math otherwise (any data file)."
+        return "exact" if self.kind == "toy" and self.data is None else "math"
 
     @cached_property
     def path(self) -> str:
@@ -80,10 +80,13 @@ class World:
 def problems(self: World, n: int | None = None, seed: int = 0, split: str = "train") -> list[dict]:
     "The world's problem records: from `data` when set, else its own generator's (`split` 'train' or 'test')."
     n = self.n_train if n is None else n
-    if self.data is not None:
-        from opsd.data import load_problems
-        recs = list(load_problems(self.data))
-        return recs if split == "train" else recs[:n]
+    if self.data is not None:   # the file's rows less its held-out split (`opsd.data.holdout_split`), or that split
+        from opsd.data import load_problems, holdout_split, HOLDOUT_MIN_ROWS
+        train, held = holdout_split(list(load_problems(self.data)))
+        if split == "train": return train
+        if not held: raise ValueError(f"{self.data}: fewer than {HOLDOUT_MIN_ROWS} rows, all trained on, so none is held "
+                                      "out; evaluate with --data FILE of problems the run did not train on")
+        return held[:n]
     if self.kind == "toy":
         from opsd.toy import make_problems, toy_config
         return make_problems(n, seed=seed, split=split, **toy_config(self.preset, **(self.toy or {})).problem_kw())

@@ -154,19 +154,24 @@ def test_train_smollm2_on_cpu(smollm2_run):
 
 def test_eval_smollm2_run(smollm2_run):
     """`opsd eval` of a smollm2 run: the base and step 1 on the world's held-out problems, graded in math mode, greedy
-    (the world's evaluation); `--temperature 1.0` evaluates again at the released sampling, as rows of their own.
-    Break that made it fail: `cmd_eval` not passing the world's sampling (rows at temperature 1.0 the first time)."""
+    (the world's evaluation); `--temperature 1.0` evaluates again at the released sampling, as rows of their own, and
+    the first command again prints the first setting's numbers, named by its setting (nothing is sampled again).
+    Breaks that made it fail: `cmd_eval` not passing the world's sampling (rows at temperature 1.0 the first time);
+    eval_runs summarising the latest-written setting (the third table printed the temperature-1.0 numbers)."""
     rd = smollm2_run
-    run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--quiet")
+    _, first, _ = run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--quiet")
     ev = pl.read_ndjson(rd / "eval.jsonl")
     assert sorted(ev["step"].unique().to_list()) == [0, 1] and ev.height == 4   # k = 1: the world's default
     assert (ev["key_temperature"].unique().to_list(), ev["key_k"].unique().to_list()) == ([0.0], [1])
     from opsd.smollm2 import word_problems
     want = sorted(str(p["answer"]) for p in word_problems(2, seed=10_000, split="test"))
     assert sorted(ev.filter(pl.col("step") == 0)["answer"].cast(pl.Utf8).to_list()) == want
-    run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--temperature", "1.0", "--quiet")
+    _, second, _ = run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--temperature", "1.0", "--quiet")
     ev = pl.read_ndjson(rd / "eval.jsonl")
     assert ev.group_by("key_temperature").len().sort("key_temperature").rows() == [(0.0, 4), (1.0, 4)]
+    _, third, _ = run("eval", rd, "--n", "2", "--max-new-tokens", "16", "--quiet")
+    setting = dict(ev.select("key_temperature", "setting").unique().rows())
+    assert setting[0.0] in first and setting[1.0] in second and third == first and setting[1.0] not in third
 
 
 def test_export_smollm2_run(smollm2_run, tmp_path):

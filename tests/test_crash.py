@@ -176,3 +176,18 @@ def test_disk_full_then_same_command_resumes(reference, tmp_path):
     ok(cfg)                                                                         # space again: it resumes
     assert_same_run(state(rd.path), reference)
     assert [s["resumed_from"] for s in rd.starts()] == [None] + ["checkpoints/step-4"] * 3
+
+
+def test_sigterm_saves_a_checkpoint_like_sigint(tiny_ckpt, toy_data_file, tmp_path):
+    """SIGTERM (what job schedulers send before they kill) during step 1 of a run that saves every 2 steps: the step
+    finishes, a checkpoint of step 1 is saved and the process exits (non-zero). Break that made it fail: the handler
+    installed for SIGINT only (the process died at once: no checkpoint)."""
+    cfg, mark = config(tiny_ckpt, toy_data_file, tmp_path / "run"), tmp_path / "paused"
+    p = start(cfg, pause="step:1", mark=mark)
+    wait_for(p, mark)
+    p.send_signal(signal.SIGTERM); mark.unlink()
+    out, err = p.communicate(timeout=300)
+    rd = RunDir(cfg["run_dir"])
+    assert p.returncode != 0 and "SIGTERM: finishing step, saving a checkpoint" in out, (out + err)[-2000:]
+    assert [r["step"] for r in strict_rows(rd.metrics_path)] == [1]
+    assert [c.name for c in rd.checkpoints()] == ["step-1"]

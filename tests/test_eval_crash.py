@@ -22,7 +22,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def eval_cmd(run: Path) -> list[str]:
-    return [venv_bin("opsd"), "eval", str(run), "--backend", "hf", "--n", str(N), "--k", str(K),
+    data = json.loads((run / "config.json").read_text())["data"]   # no held-out split recorded: --data is required
+    return [venv_bin("opsd"), "eval", str(run), "--data", data, "--backend", "hf", "--n", str(N), "--k", str(K),
             "--max-new-tokens", "40", "--seeds", *map(str, SEEDS), "--quiet"]
 
 

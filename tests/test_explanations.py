@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "nbs" / "explanations"
 NOTEBOOKS = {"async_rollout": "smollm2-offpolicy", "clip_analysis": "toy-clips", "kl_drift": "toy-clips", "findings": "toy-clips",
-             "padding_gap": "toy-padding", "steps_per_rollout": "toy-steps-per-rollout"}
+             "padding_gap": "toy-padding", "privilege": "toy-privilege",
+             "steps_per_rollout": "toy-steps-per-rollout"}
 SKIP = re.compile(r"^\s*#\|\s*(slow|gpu|vllm)\b", re.M)
 
 

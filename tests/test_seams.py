@@ -342,3 +342,56 @@ def test_grading_on_stored_answers(case):
     `last_boxed` taking the first box instead of the last (4 cases fail); `normalize_answer` not mapping \\dfrac to
     \\frac (1 case)."""
     assert grade(case["completion"], case["answer"], mode=case["mode"]) is case["expected"]
+
+
+# ---------------------------------------------------------------- the EMA teacher after its first update
+def test_ema_update_after_the_first_step_is_the_decay_formula():
+    """`Teacher.update` against the EMA written out by hand, with a decay that is not 1/2 (where lerp weights `decay`
+    and `1 - decay` coincide, so a swapped weight passes any test at 0.5): start 'first_update' copies the student at
+    the first update, then ema <- decay * ema + (1 - decay) * student; start 'init' averages from the initial weights.
+    Break that made it fail: `lerp_(p, self.decay)` instead of `1 - self.decay` (the trainer-level teacher test above
+    passes it: it runs at decay 0.5)."""
+    from opsd.train import Teacher
+    torch.manual_seed(0)
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(6, 5)), LoraConfig(r=2, target_modules=["0"]))
+    for start in ("first_update", "init"):
+        ema = Teacher(model, "ema", decay=0.7, start=start)
+        ref = {n: p.detach().clone() for n, p in lora(model).items()}
+        for k in range(4):
+            with torch.no_grad():
+                for p in lora(model).values(): p.add_(torch.randn_like(p))
+            ema.update()
+            now = {n: p.detach().clone() for n, p in lora(model).items()}
+            ref = now if (start == "first_update" and k == 0) else {n: 0.7 * ref[n] + 0.3 * now[n] for n in ref}
+            for n in ref: torch.testing.assert_close(ema.ema[n], ref[n], rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- which vocabulary ids the top-k loss gathers
+def test_top_k_loss_gathers_the_teachers_top_ids():
+    """The top-k divergence (full-logit `divergence` and the chunked `fused_divergence`) equals KL(t_k || s_k) over the
+    teacher's k largest logits, both renormalised there, written out per position with numpy's argsort; the student's
+    gradient is zero off those ids. The logits rank differently for student and teacher, so another choice of ids
+    shows. Break that made it fail: `_topk_logits` taking the ids from `student_logits.topk` (value off by > 0.1)."""
+    import numpy as np
+    from opsd.fused import fused_divergence
+    from opsd.loss import divergence
+    g = torch.Generator().manual_seed(3)
+    N, H, V, k, T = 7, 5, 11, 4, 0.8
+    hs, ht = (torch.randn(N, H, generator=g, dtype=torch.float64) * 2 for _ in range(2))
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    zs, zt = (hs @ w.T).requires_grad_(), ht @ w.T
+    ref = []
+    for i in range(N):
+        ids = np.argsort(-zt[i].numpy(), kind="stable")[:k]
+        t = torch.softmax(zt[i, ids] / T, -1); s = torch.log_softmax(zs[i, ids] / T, -1)
+        ref.append((t * (t.log() - s)).sum())
+    ref = torch.stack(ref)
+    got = divergence(zs, zt, temperature=T, top_k=k)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    grad, = torch.autograd.grad(got.sum(), zs)
+    off = torch.ones_like(grad, dtype=torch.bool).scatter(-1, zt.topk(k, -1).indices, False)
+    assert grad[off].abs().max() == 0 and grad[~off].abs().max() > 1e-3
+    labels = torch.zeros(N, dtype=torch.long)
+    loss, diag = fused_divergence(hs, ht, w, labels, temperature=T, clip="none", top_k=k, chunk_size=3)
+    torch.testing.assert_close(loss, ref.mean(), rtol=1e-10, atol=1e-12)
+    assert (ref - divergence(zs, zt, temperature=T, top_k=None)).abs().max() > 1e-2   # the restriction matters here

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from opsd.data import PromptConfig
+from opsd.data import PromptConfig, data_record, load_problems
 from opsd.toy import TOY_PROMPT, make_problems, toy_config
 from opsd.train import OPSDConfig
 from opsd.worlds import World, resolve_world
@@ -62,8 +62,10 @@ def test_path_world_needs_data(tiny_ckpt, toy_data_file):
     assert w.prompt_config() == PromptConfig()
     wd = resolve_world(str(tiny_ckpt), data=toy_data_file)
     lines = toy_data_file.read_text().splitlines()
-    train, test = wd.problems(2000), wd.problems(5, split="test")
-    assert len(train) == len(lines) and [p["problem"] for p in test] == [json.loads(x)["problem"] for x in lines[:5]]
+    train, test = wd.problems(2000), wd.problems(5, split="test")   # the file less its held-out rows, and those
+    held = set(data_record(toy_data_file, load_problems(toy_data_file))["heldout_ids"])
+    assert len(train) == len(lines) - len(held) and {p["id"] for p in test} <= held and len(test) == 5
+    assert not {p["id"] for p in train} & held
     assert wd.config().data == str(toy_data_file)
 
 
