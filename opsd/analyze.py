@@ -18,8 +18,8 @@ from .diagnostics import loss_and_diagnostics, diagnostic_sums, POSITION_KEYS
 
 # %% auto #0
 __all__ = ['TEACHER_PROMPTS', 'AUDIT_CONTEXT', 'teacher_prompts', 'kl_bands', 'privilege_audit', 'audit_teachers', 'analyze',
-           'position_view', 'token_view_data', 'kl_bin', 'token_view_html', 'token_view_page', 'format_analysis',
-           'analysis_json', 'write_analysis', 'add_analyze_args', 'cmd_analyze']
+           'position_view', 'token_view_data', 'kl_bin', 'token_view_html', 'token_view_page', 'demo_token_views',
+           'format_analysis', 'analysis_json', 'write_analysis', 'add_analyze_args', 'cmd_analyze']
 
 # %% ../nbs/10c_analyze.ipynb #f12be9c7
 TEACHER_PROMPTS = ("released", "no_reference", "wrong_reference")  # the counterfactual teacher prompts of the audit
@@ -300,6 +300,45 @@ def token_view_page(view: dict, pin: int | None = None, title: str = "OPSD token
     "A standalone HTML page holding the token view (opens offline)."
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title></head>'
             f'<body style="margin:1rem">{token_view_html(view, pin, title)}</body></html>\n')
+
+# %% ../nbs/10c_analyze.ipynb #0aa3c33b
+def demo_token_views(jobs:list[dict], # toy jobs of `demo_jobs` (trained)
+                     seed:int|None=None, # the run of each clip mode shown (default: the first seed)
+                    )->list[Path]:
+    "One completion per (teacher, clip): the final student's answer to a held-out problem as a token view page."
+    import torch
+    from opsd.collate import batch_logits, collate
+    from opsd.collate import pad_eos_ids
+    from opsd.data import student_prompt_ids, teacher_prompt
+    from opsd.rollout import HFRollout, SamplingConfig
+    from opsd.runs import latest_checkpoint, load_model
+    from opsd.toy import TOY_PROMPT, make_problems, toy_config
+    from opsd.demo import _toy_base, job_config
+    out, seen = [], set()
+    for j in jobs:
+        if "world" in j or (j["teacher"], j["clip"]) in seen or (seed is not None and j["seed"] != seed): continue
+        ck = latest_checkpoint(j["run_dir"])
+        if ck is None: continue
+        seen.add((j["teacher"], j["clip"]))
+        cfg = job_config(j)
+        model, tok = load_model(str(_toy_base(j["teacher"], j["toy"])), "float32", adapter=ck)
+        p = make_problems(1, seed=10_000, split="test", **toy_config(j["teacher"], **j["toy"]).problem_kw())[0]
+        s_ids = student_prompt_ids(tok, p["problem"], TOY_PROMPT)
+        t_ids = tok(teacher_prompt(tok, p["problem"], p["solution"], TOY_PROMPT), add_special_tokens=False)["input_ids"]
+        samp = SamplingConfig(temperature=cfg.sample_temperature, top_p=cfg.top_p, top_k=cfg.sample_top_k,
+                              max_new_tokens=cfg.max_completion_length, seed=0)
+        with torch.no_grad():
+            comp = HFRollout(model, tok, batch_size=1, fast=False, progress=False).generate([s_ids], samp).completion_ids[0]
+            pad_id, eos_id = pad_eos_ids(tok)
+            b = collate([s_ids], [t_ids], [comp], pad_id=pad_id, eos_id=eos_id, mode="aligned")
+            s = batch_logits(model, b, "student")[0].float()
+            with model.disable_adapter(): t = batch_logits(model, b, "teacher")[0].float()   # the fixed teacher: base
+        view = token_view_data(tok, p, b.labels[0].tolist(), s, t, temperature=cfg.temperature, tau=cfg.tau, row=0)
+        page = Path(j["run_dir"]) / "token_view.html"   # write_report embeds a run folder's token view
+        page.write_text(token_view_page(view, title=f"Token view: {j['clip']} clip, step {ck.name.split('-')[-1]} "
+                                                     f"student ({j['name']})"), encoding="utf-8")
+        out.append(page)
+    return out
 
 # %% ../nbs/10c_analyze.ipynb #01ac11d4
 _COLS = (("kl/true", "KL/pos", ".4f"), ("entry/loss", "entry loss", ".4f"), ("entry/neg_loss_frac", "neg loss", ".1%"),

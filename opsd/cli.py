@@ -229,6 +229,11 @@ def _add_analyze(sub):
     return p
 
 # %% ../nbs/11_cli.ipynb #a0a45575
+def _demo_token_views(d):
+    "`opsd demo` embeds one completion per clip mode, token by token, in its report (opsd.analyze)."
+    from opsd.analyze import demo_token_views
+    d.set_defaults(token_views=demo_token_views)
+
 def _add_export(sub):
     "Register `opsd export` (its options and command live in opsd.export, nbs/10d_export.ipynb)."
     from opsd.export import add_export_args, cmd_export
@@ -247,6 +252,7 @@ def parser() -> argparse.ArgumentParser:
     d = add_demo_args(sub.add_parser("demo", help="the main job: OPSD per clip mode over seeds (toy world by default, "
                                      "or --model smollm2), held-out accuracy with intervals, report"))
     d.set_defaults(fn=cmd_demo)
+    _demo_token_views(d)
     t = sub.add_parser("train", help="one OPSD run (resumes from its latest checkpoint)")
     t.add_argument("--recipe", metavar="NAME|FILE", help=f"how a step is computed: {', '.join(RECIPES)} "
                    "(configs/recipes/) or a recipe YAML file; laid over the preset, under --config and --set")

@@ -14,9 +14,9 @@ from .repro import environment
 # %% auto #0
 __all__ = ['DEMO_TEACHERS', 'DEMO_CLIPS', 'CLIP_TITLES', 'DEMO_TOY', 'EFFECTS', 'QUICK_TOY', 'DEMO_STEPS', 'DemoRecipe',
            'demo_jobs', 'job_config', 'run_job', 'steps_done', 'DemoProgress', 'run_jobs', 'run_world_jobs',
-           'demo_frames', 'seed_effects', 'effect_table', 'format_effects', 'effects_frame', 'demo_token_views',
-           'run_demo', 'run_study', 'study_schedules', 'study_released_lr', 'released_lr_variants', 'study_jobs',
-           'parse_set', 'add_demo_args', 'cmd_demo']
+           'demo_frames', 'seed_effects', 'effect_table', 'format_effects', 'effects_frame', 'run_demo', 'run_study',
+           'study_schedules', 'study_released_lr', 'released_lr_variants', 'study_jobs', 'parse_set', 'add_demo_args',
+           'cmd_demo']
 
 # %% ../nbs/10b_demo.ipynb #72dafffb
 DEMO_TEACHERS = ("soft",)  # toy presets trained by default (see opsd.toy: the teacher's trust in references)
@@ -428,50 +428,14 @@ def effects_frame(table:pl.DataFrame, # `effect_table(...)` of one teacher (rows
     return pl.DataFrame(rows)
 
 
-def demo_token_views(jobs:list[dict], # toy jobs of `demo_jobs` (trained)
-                     seed:int|None=None, # the run of each clip mode shown (default: the first seed)
-                    )->list[Path]:
-    "One completion per (teacher, clip): the final student's answer to a held-out problem as a token view page."
-    import torch
-    from opsd.analyze import token_view_data, token_view_page
-    from opsd.collate import batch_logits, collate
-    from opsd.collate import pad_eos_ids
-    from opsd.data import student_prompt_ids, teacher_prompt
-    from opsd.rollout import HFRollout, SamplingConfig
-    from opsd.runs import latest_checkpoint, load_model
-    from opsd.toy import TOY_PROMPT, make_problems, toy_config
-    out, seen = [], set()
-    for j in jobs:
-        if "world" in j or (j["teacher"], j["clip"]) in seen or (seed is not None and j["seed"] != seed): continue
-        ck = latest_checkpoint(j["run_dir"])
-        if ck is None: continue
-        seen.add((j["teacher"], j["clip"]))
-        cfg = job_config(j)
-        model, tok = load_model(str(_toy_base(j["teacher"], j["toy"])), "float32", adapter=ck)
-        p = make_problems(1, seed=10_000, split="test", **toy_config(j["teacher"], **j["toy"]).problem_kw())[0]
-        s_ids = student_prompt_ids(tok, p["problem"], TOY_PROMPT)
-        t_ids = tok(teacher_prompt(tok, p["problem"], p["solution"], TOY_PROMPT), add_special_tokens=False)["input_ids"]
-        samp = SamplingConfig(temperature=cfg.sample_temperature, top_p=cfg.top_p, top_k=cfg.sample_top_k,
-                              max_new_tokens=cfg.max_completion_length, seed=0)
-        with torch.no_grad():
-            comp = HFRollout(model, tok, batch_size=1, fast=False, progress=False).generate([s_ids], samp).completion_ids[0]
-            pad_id, eos_id = pad_eos_ids(tok)
-            b = collate([s_ids], [t_ids], [comp], pad_id=pad_id, eos_id=eos_id, mode="aligned")
-            s = batch_logits(model, b, "student")[0].float()
-            with model.disable_adapter(): t = batch_logits(model, b, "teacher")[0].float()   # the fixed teacher: base
-        view = token_view_data(tok, p, b.labels[0].tolist(), s, t, temperature=cfg.temperature, tau=cfg.tau, row=0)
-        page = Path(j["run_dir"]) / "token_view.html"   # write_report embeds a run folder's token view
-        page.write_text(token_view_page(view, title=f"Token view: {j['clip']} clip, step {ck.name.split('-')[-1]} "
-                                                     f"student ({j['name']})"), encoding="utf-8")
-        out.append(page)
-    return out
-
 # %% ../nbs/10b_demo.ipynb #302f4b9b
 def run_demo(out:str|Path="runs/demo", teachers:Sequence[str]=DEMO_TEACHERS, clips:Sequence[str]=DEMO_CLIPS,
              seeds:int|Sequence[int]=3, recipe:DemoRecipe|None=None, workers:int|None=None, toy:dict|None=None,
              png:bool=True, report:bool=True, progress:bool=True,
              world:str="toy", # 'toy' (process pool on every core), 'smollm2' or a path (in sequence, one engine)
              data:str|None=None, # problems file replacing the world's own
+             token_views=None, # jobs -> token-view pages in the run folders, made before the report (opsd demo:
+                               # opsd.analyze.demo_token_views: one completion per clip mode)
              **overrides)->dict:
     "Train and evaluate every (teacher, clip, seed) run, write the report and the summary; return tables and timing."
     from opsd.data import check_out_folder
@@ -498,7 +462,7 @@ def run_demo(out:str|Path="runs/demo", teachers:Sequence[str]=DEMO_TEACHERS, cli
         for t in teachers:
             runs = [j["run_dir"] for j in jobs if j["teacher"] == t]
             summary = effects_frame(table.filter(pl.col("teacher") == t))
-            if not sequential: demo_token_views([j for j in jobs if j["teacher"] == t])   # one per clip mode
+            if token_views and not sequential: token_views([j for j in jobs if j["teacher"] == t])
             what = f"{t} teacher" if not sequential else t
             head = "Effects per clip mode over seeds: mean [95% t-interval], * where the interval excludes 0"
             reports.append(write_report(runs, out / f"report-{t}", png=png, tables={head: summary},
@@ -644,4 +608,5 @@ def cmd_demo(a):
                                  workers=a.workers, toy=toy)
     out = a.out or ("runs/demo" if w.kind == "toy" else f"runs/demo-{w.label}")
     return run_demo(out, teachers=teachers, clips=a.clips, seeds=a.seeds, recipe=recipe, workers=a.workers, toy=toy,
-                    png=not a.no_png, world=w.name if w.kind != "toy" else "toy", data=a.data, **over)
+                    png=not a.no_png, world=w.name if w.kind != "toy" else "toy", data=a.data,
+                    token_views=getattr(a, "token_views", None), **over)
