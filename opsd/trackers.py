@@ -52,7 +52,9 @@ class RunTrackers:
         self.trackers: list = []
 
     def start(self, first_step: int):
+        from accelerate import PartialState
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+        PartialState()   # accelerate's trackers log through its logger, which wants the state (the trainer made it)
         self.dir.mkdir(parents=True, exist_ok=True)
         for n in self.names:
             cls = LOGGER_TYPE_TO_CLASS[n]
