@@ -621,17 +621,21 @@ def metrics_row(self: OPSDTrainer, step: int, *, samples: Samples, back: Backwar
     cfg, acc = self.cfg, self.acc
     keys = sorted(back.sums)
     vec = [torch.as_tensor(back.sums[k], dtype=torch.float64, device=acc.device) for k in keys]
-    vec = torch.stack(vec + [back.loss_total])
+    comps, finish = samples.comps, samples.finish
+    # completion counts too: each process holds its share of the completions (sums over processes, then the means)
+    lens = [sum(len(c) for c in comps), len(comps), sum(f == "length" for f in finish), len(finish)]
+    vec = torch.stack(vec + [back.loss_total] + [torch.tensor(float(x), dtype=torch.float64, device=acc.device)
+                                                 for x in lens])
     if acc.num_processes > 1: vec = acc.reduce(vec, reduction="sum")
-    tot = dict(zip(keys + ["__loss"], vec.tolist()))
+    *vals, len_sum, n_comps, n_trunc, n_finish = vec.tolist()
+    tot = dict(zip(keys + ["__loss"], vals))
     n = max(tot.pop("count"), 1.0)
     inst = {k: v / n for k, v in tot.items() if k != "__loss" and k != "loss"}
-    comps, finish = samples.comps, samples.finish
     return dict(run=self.name, step=step, seed=cfg.seed, clip=cfg.clip, tau=cfg.tau, beta=cfg.beta,
                 teacher=cfg.teacher, padding=cfg.padding, scheduler=cfg.scheduler, objective=cfg.objective,
                 normalize=cfg.normalize, loss=tot["__loss"], **inst, tokens=int(n), grad_norm=update.grad_norm,
-                lr=update.lr, completion_len=float(np.mean([len(c) for c in comps])) if comps else 0.0,
-                truncated_frac=float(np.mean([f == "length" for f in finish])) if finish else 0.0,
+                lr=update.lr, completion_len=len_sum / n_comps if n_comps else 0.0,
+                truncated_frac=n_trunc / n_finish if n_finish else 0.0,
                 sampled_acc=sampled_acc, rollout_age=samples.age, **times.row(), seconds=times.total)
 
 
@@ -740,7 +744,7 @@ def check_writable(run: RunDir):
     import errno
     for d in (run.path, run.checkpoints_dir):
         if not d.is_dir(): continue
-        probe = d / ".opsd-write-test"
+        probe = d / f".opsd-write-test-{os.getpid()}"   # one per process: ranks probe the same folder at once
         try: probe.write_bytes(b""); probe.unlink()
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS): raise

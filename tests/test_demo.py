@@ -61,7 +61,7 @@ def test_demo_writes_every_seed_and_cell(tiny_demo):
     assert (none["loss"] >= 0).all()  # a KL, whatever the entry instruments say
     assert (out / "summary.csv").exists() and (out / "effects.csv").exists()
     page = (out / "report-soft" / "index.html").read_text()
-    assert "Per clip mode over seeds" in page and 'id="fig-accuracy_test"' in page
+    assert "Effects per clip mode over seeds" in page and 'id="fig-accuracy_test"' in page
 
 
 def test_effects_are_the_runs_numbers(tiny_demo):

@@ -27,7 +27,7 @@ def train_cmd(ckpt, run_dir, steps=6, extra=()):
     return [venv_bin("opsd"), "train", "--preset", "toy", "--model", str(ckpt), "--data", DATA["path"],
             "--run-dir", str(run_dir), "--steps", str(steps), "--save-every", "2", "--batch-size", "8",
             "--micro-batch-size", "4", "--quiet", "--padding", "aligned",
-            "--set", "max_completion_length=12", "log_positions=0", *extra]
+            "--set", "max_completion_length=12", "log_positions=0", "dtype=float64", *extra]
 
 
 def rows(run_dir):
