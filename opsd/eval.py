@@ -705,10 +705,13 @@ def eval_runs(
         raise ValueError(f"eval_runs: the runs use different base models ({models}): "
                          "evaluate them in separate calls")
     _check_model_path(path)
+    import torch
     from opsd.rollout import resolve_backend
 
     name = backend if isinstance(backend, str) else None
-    dev = "cuda" if name is not None and resolve_backend(name) == "vllm" else None
+    # on a GPU machine the base model lives there, whichever engine generates (HF on the CPU would be slow, and bf16
+    # attention there fails on CPUs without AVX-512 under the AVX2 pin of opsd.repro)
+    dev = "cuda" if torch.cuda.is_available() or (name is not None and resolve_backend(name) == "vllm") else None
     base, tok = load_model(path, dtype or cfgs[0].get("dtype", "bfloat16"), device=dev)
     budget = max_new_tokens or (eval_kw.get("sampling") or default_eval_sampling()).max_new_tokens
     plans = []
