@@ -5,7 +5,9 @@
 # entry (entry clip, the released teacher) and entrynoref (entry, none); greedy held-out accuracy at steps 0 and 50.
 # Usage, after the vllm, opsd and smollm2 sets are unpacked into /tmp/site (README.md here):
 #   SEEDS=0-2 LIMIT=540 bash tools/gpu/privilege.sh        (ARMS="sync noref ..." to choose arms; HF=1: HF
-#   generation instead of vLLM, for a machine with only the opsd and smollm2 sets)
+#   generation instead of vLLM, for a machine with only the opsd and smollm2 sets: each HF process holds 13 to 24 GB,
+#   so at most three arms at a time on an 80 GB H100, e.g. ARMS="sync noref wrongref" then ARMS="entry entrynoref")
+# SEEDS is a count (3: seeds 0-2), a range a-b or a list a,b (one seed: 0-0; a count of 0 trains nothing).
 # Each process is time-boxed to end before LIMIT seconds; finished seeds are kept (run folders resume on a second
 # call on the same warm machine). $OUT gets privilege-runs.tgz: every run's raw files (config, starts, metrics,
 # eval, positions; no checkpoints) and each process's log and summary JSON, for `python -m opsd.results add`.
