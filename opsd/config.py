@@ -177,7 +177,7 @@ class OPSDConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "OPSDConfig":
         known = {f.name for f in dataclasses.fields(cls)}
-        if d.get("sample_seeding", "row") != "row":   # a field of 2026-12-04/05, removed: see 05_rollout, Seeding
+        if d.get("sample_seeding", "row") != "row":   # a removed field: see 05_rollout, Seeding
             raise ValueError(f"{source}: config field sample_seeding={d['sample_seeding']!r} was removed (its seed did "
                              "not repeat on vLLM); every request is seeded seed + i, as 'row' was")
         d = upgrade_config({k: v for k, v in d.items() if k != "sample_seeding"})   # 'row' (those days): today's way

@@ -87,8 +87,8 @@ class _LoraMM(torch.autograd.Function):
         h = x2 @ A.t()                                       # tokens × r
         y = x2 @ W.t() if bias is None else torch.addmm(bias, x2, W.t())
         ctx.save_for_backward(x2, W, A, B, h); ctx.s, ctx.shape = s, x.shape
-        # in place: `torch.addmm(y, ...)` would first copy y into a new output (a device-to-device copy per call, 1,600 a
-        # step on the H200 of 2026-12-06); y is this call's own tensor, so cuBLAS may accumulate into it
+        # in place: `torch.addmm(y, ...)` would first copy y into a new output (a device-to-device copy per call);
+        # y is this call's own tensor, so cuBLAS may accumulate into it
         return y.addmm_(h, B.t(), alpha=s).view(*x.shape[:-1], W.shape[0])
 
     @staticmethod
