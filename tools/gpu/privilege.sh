@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# What the reference buys on SmolLM2 (explanations/privilege): five arms of the demo's SmolLM2 recipe, each in its own
-# process with its own vLLM engine on one GPU (a 135M model leaves the GPU mostly idle, so five processes train
-# side by side): sync (scaled clip, the released teacher), noref and wrongref (scaled, teacher_context none / wrong),
-# entry (entry clip, the released teacher) and entrynoref (entry, none); greedy held-out accuracy at steps 0 and 50.
-# Usage, after the vllm, opsd and smollm2 sets are unpacked into /tmp/site (README.md here):
-#   SEEDS=0-2 LIMIT=540 bash tools/gpu/privilege.sh        (ARMS="sync noref ..." to choose arms, one process each;
-#   arms joined by + share one process and its engine, seed-major: on an 80 GB H100 a scaled-clip process peaks near
-#   31 GB, so ARMS="sync+noref+wrongref entry+entrynoref" with ENGINE_MEMORY=0.08 is the five-arm layout that fits; HF=1: HF
-#   generation instead of vLLM, for a machine with only the opsd and smollm2 sets: each HF process holds 13 to 24 GB,
-#   so at most three arms at a time on an 80 GB H100, e.g. ARMS="sync noref wrongref" then ARMS="entry entrynoref")
+# What the reference buys on SmolLM2 (explanations/privilege): five arms of the demo's SmolLM2 recipe in processes
+# side by side on one GPU, each with its own vLLM engine (a 135M model leaves the GPU mostly idle): sync (scaled clip,
+# the released teacher), noref and wrongref (scaled, teacher_context none / wrong), entry (entry clip, the released
+# teacher) and entrynoref (entry, none); greedy held-out accuracy at steps 0 and 50.
+# Usage, after the vllm, opsd and smollm2 sets are unpacked into /tmp/site (README.md here), calls back to back on one
+# warm machine (a run takes about 63 s on an H100 and the first process trains three a seed):
+#   SEEDS=0-1 LIMIT=540 bash tools/gpu/privilege.sh; SEEDS=2-3 ...; SEEDS=4-4 ...
+# ARMS: the processes, arms joined by + sharing one process and its engine, seed-major (default
+# "sync+noref+wrongref entry+entrynoref"). A scaled-clip process peaks near 31 GB, so two processes with
+# ENGINE_MEMORY=0.08 (the default) fit an 80 GB H100 and five single-arm processes do not. HF=1: HF generation instead
+# of vLLM, for a machine with only the opsd and smollm2 sets (each HF process holds 13 to 24 GB).
 # SEEDS is a count (3: seeds 0-2), a range a-b or a list a,b (one seed: 0-0; a count of 0 trains nothing).
 # Each process is time-boxed to end before LIMIT seconds; finished seeds are kept (run folders resume on a second
 # call on the same warm machine). $OUT gets privilege-runs.tgz: every run's raw files (config, starts, metrics,
