@@ -16,7 +16,8 @@ from .runs import DTYPES
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'TEACHER_MODES', 'SCHEDULERS', 'OBJECTIVES', 'ROLLOUTS', 'NORMALIZE', 'EMA_STARTS', 'LOSS_KERNELS',
-           'LAYOUTS', 'RENAMED', 'RETIRED', 'OPSDConfig', 'upgrade_config', 'read_yaml', 'field_help']
+           'LAYOUTS', 'GROUPS', 'RENAMED', 'RETIRED', 'LoRA', 'Sampling', 'VLLM', 'EMA', 'OPSDConfig', 'upgrade_config',
+           'merge_config', 'read_yaml', 'field_help']
 
 # %% ../nbs/05h_config.ipynb #026df365
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -29,12 +30,46 @@ EMA_STARTS = ("first_update", "init")
 LOSS_KERNELS = ("logits", "torch", "triton", "auto")   # full logits (the release), or the chunked loss (opsd.fused)
 LAYOUTS = PAD_MODES + ("packed",)   # `padding`: the two of opsd.collate, or aligned rows packed (opsd.packing)
 
+@dataclass(frozen=True)
+class LoRA:
+    "The student's LoRA adapters (peft's `LoraConfig`): `OPSDConfig.lora`."
+    r: int = 64  # LoRA rank
+    alpha: float = 128  # LoRA scale numerator (the adapters add alpha / r times B A x)
+    dropout: float = 0.0  # dropout on LoRA inputs (0: none, needed by fused_lora)
+    targets: tuple = LORA_TARGETS  # the projections that get adapters (every linear layer of the decoder)
+
+@dataclass(frozen=True)
+class Sampling:
+    """The rollout's sampling, in vLLM's `SamplingParams` names: `OPSDConfig.sampling`. The loss has its own
+    `temperature` and `top_k` (OPSDConfig's top-level fields)."""
+    max_tokens: int = 1024  # tokens a completion may have (sampling stops there)
+    temperature: float = 1.1  # the rollout's sampling temperature (= the loss's temperature in the release)
+    top_p: float = 0.95  # the rollout's nucleus sampling threshold
+    top_k: int = 20  # the rollout samples among the top-k tokens (0: all)
+
+@dataclass(frozen=True)
+class VLLM:
+    "The vLLM engine of the rollout (`rollout='vllm'`, or 'auto' on CUDA): `OPSDConfig.vllm`."
+    memory: float = 0.3  # vLLM's share of GPU memory (weights + KV cache), colocated with training
+    sleep: bool = True  # vLLM sleeps (frees its memory) during the training phase of each step
+    quantization: str | None = None  # 'fp8' samples from the student's weights quantized to fp8 as they load (a
+    #                                  departure: completions from an approximation of the student)
+    kv_cache: str = "auto"  # vLLM's KV-cache dtype: 'auto' (the weights') or 'fp8' (a departure, as above)
+
+@dataclass(frozen=True)
+class EMA:
+    "The EMA teacher (`teacher='ema'` only): `OPSDConfig.ema`."
+    decay: float = 0.999  # the release's EMA decay
+    start: str = "first_update"  # 'first_update' (released: set from the student after the first update), 'init'
+
+GROUPS = dict(lora=LoRA, sampling=Sampling, vllm=VLLM, ema=EMA)   # OPSDConfig's nested fields and their classes
+
 @dataclass
 class OPSDConfig:
     """Everything a run needs; defaults are the released Qwen3-1.7B recipe (`configs/recipes/released.yaml`). Fields
     come in groups: the run, the objective, the layout of a micro-batch, kernels of the training phase, LoRA,
-    optimisation, rollout, prompts, logging. Renamed and retired fields of older runs' config.json are read through
-    `upgrade_config`."""
+    optimisation, rollout, prompts, logging; four of them are small dataclasses of their own (`lora`, `sampling`,
+    `vllm`, `ema`). Renamed and retired fields of older runs' config.json are read through `upgrade_config`."""
     # -- the run
     model: str = "Qwen/Qwen3-1.7B"  # from_pretrained path or hub name ('toy', 'toy:soft', 'toy:copy' in the CLI)
     data: str | None = None  # problems file (jsonl/parquet) or datasets name; None: the toy world (CLI)
@@ -51,8 +86,7 @@ class OPSDConfig:
     normalize: str = "global"  # 'global' token count of the step (exact) or 'micro_batch' (the release's mean of means)
     mask_pad_completion: bool = False  # the release masks completion tokens equal to the pad id; opsd keeps them
     teacher: str = "fixed"  # 'fixed' (adapters disabled), 'ema', 'live'
-    ema_decay: float = 0.999  # the release's EMA decay
-    ema_start: str = "first_update"  # 'first_update' (released: set from the student after the first update), 'init'
+    ema: EMA = field(default_factory=EMA)  # the EMA teacher (teacher='ema' only): decay, start
     teacher_context: str = "reference"  # what the teacher's prompt holds: 'reference' (its own reference solution,
     #                                     the release), 'none' (the reference block cut out) or 'wrong' (another
     #                                     problem's reference): opsd.data.teacher_context_prompt
@@ -72,10 +106,7 @@ class OPSDConfig:
     fused_lora: bool = False  # each adapted projection's LoRA scale and add folded into one GEMM (opsd.kernels.fuse_lora;
     #                           the same sum, rounded once)
     # -- LoRA
-    lora_r: int = 64  # LoRA rank
-    lora_alpha: float = 128  # LoRA scale numerator (the adapters add alpha / r times B A x)
-    lora_dropout: float = 0.0  # dropout on LoRA inputs (0: none, needed by fused_lora)
-    lora_targets: tuple = LORA_TARGETS  # the projections that get adapters (every linear layer of the decoder)
+    lora: LoRA = field(default_factory=LoRA)  # the student's adapters: r, alpha, dropout, targets
     # -- optimisation
     lr: float = 5e-6  # AdamW learning rate (peak, after warmup)
     weight_decay: float = 0.0  # AdamW weight decay on the adapters
@@ -93,22 +124,15 @@ class OPSDConfig:
     bf16_adapters: bool = False  # LoRA compute in bf16 under autocast (no fp32 cast of each LoRA input); CUDA only:
     #                              ignored on CPU, where the adapters compute in the weights' dtype
     # -- rollout (sampling the completions)
-    max_completion_length: int = 1024  # tokens a completion may have (sampling stops there)
-    sample_temperature: float = 1.1  # the rollout's sampling temperature
-    top_p: float = 0.95  # the rollout's nucleus sampling threshold
-    sample_top_k: int = 20  # the rollout samples among the top-k tokens (0: all)
+    sampling: Sampling = field(default_factory=Sampling)  # the rollout's sampling: max_tokens, temperature, top_p, top_k
     rollout: str = "auto"  # 'auto' (vLLM on CUDA when installed, else HF), 'hf' or 'vllm'
-    vllm_memory: float = 0.3  # vLLM's share of GPU memory (weights + KV cache), colocated with training
-    vllm_sleep: bool = True  # vLLM sleeps (frees its memory) during the training phase of each step
-    rollout_quantization: str | None = None  # vLLM: 'fp8' samples from the student's weights quantized to fp8 as they
-    #                                          load (a departure: completions from an approximation of the student)
-    rollout_kv_cache: str = "auto"  # vLLM's KV-cache dtype: 'auto' (the weights') or 'fp8' (a departure, as above)
+    vllm: VLLM = field(default_factory=VLLM)  # the vLLM engine: memory, sleep, quantization, kv_cache
     replicate_rollout: bool = False  # every process samples the whole step batch (exactly equal to 1 process)
     steps_per_rollout: int = 1  # one engine call samples the completions of this many steps, from the weights before
     #                             the first (TRL's steps_per_generation); > 1 is a departure: step t+i trains on
     #                             completions i updates old. 1: every step samples its own (the release)
     async_rollout: bool = False  # one step off-policy: step t trains on completions sampled before step t-1's update,
-    #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm_sleep=False
+    #                              while the rollout of step t+1 runs (CUDA: a thread); forces vllm.sleep=False
     # -- prompts (overrides of opsd.data.PromptConfig fields)
     prompt: dict = field(default_factory=dict)  # overrides of opsd.data.PromptConfig fields (the prompts' wording)
     # -- logging
@@ -117,36 +141,38 @@ class OPSDConfig:
     #                          (comma-separated; accelerate's tracker classes; opsd.trackers)
 
     def __post_init__(self):
-        for f in dataclasses.fields(self): setattr(self, f.name, _check_type(f, getattr(self, f.name)))
-        checks = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=LAYOUTS, scheduler=SCHEDULERS,
-                      objective=OBJECTIVES, teacher_context=TEACHER_CONTEXTS, rollout=ROLLOUTS, normalize=NORMALIZE,
-                      ema_start=EMA_STARTS, dtype=DTYPES,
-                      loss_kernel=LOSS_KERNELS, decoder_kernels=DECODER_KERNELS,
-                      rollout_quantization=(None, "fp8"), rollout_kv_cache=("auto", "fp8"))
+        for f in dataclasses.fields(self):   # a nested field may come as a mapping: merged into its default
+            v = getattr(self, f.name)
+            setattr(self, f.name, _group(f.name, v) if f.name in GROUPS else _check_type(f, v))
+        get = lambda k: _get(self, k)   # 'lora.r': a nested field by its dotted name
+        checks = {"clip": CLIP_MODES, "teacher": TEACHER_MODES, "padding": LAYOUTS, "scheduler": SCHEDULERS,
+                  "objective": OBJECTIVES, "teacher_context": TEACHER_CONTEXTS, "rollout": ROLLOUTS,
+                  "normalize": NORMALIZE, "ema.start": EMA_STARTS, "dtype": DTYPES, "loss_kernel": LOSS_KERNELS,
+                  "decoder_kernels": DECODER_KERNELS, "vllm.quantization": (None, "fp8"), "vllm.kv_cache": ("auto", "fp8")}
         for k, allowed in checks.items():
-            if getattr(self, k) not in allowed:
-                raise ValueError(f"config field {k}={getattr(self, k)!r}: must be one of {allowed}")
-        ranges = dict(batch_size=(1, None), micro_batch_size=(1, None), steps=(1, None), save_every=(1, None),
-                      max_completion_length=(1, None), lora_r=(1, None), loss_chunk=(1, None), warmup_steps=(0, None),
-                      log_positions=(0, None), sample_top_k=(0, None), beta=(0, 1), checkpointing=(0, 1),
-                      lora_dropout=(0, 1), weight_decay=(0, None), sample_temperature=(0, None), steps_per_rollout=(1, None))
-        ranges.update(seed=(0, 2**32 - 1), cpu_threads=(0, None))   # seed: numpy's seeds are 32-bit
+            if get(k) not in allowed: raise ValueError(f"config field {k}={get(k)!r}: must be one of {allowed}")
+        ranges = {"batch_size": (1, None), "micro_batch_size": (1, None), "steps": (1, None), "save_every": (1, None),
+                  "sampling.max_tokens": (1, None), "lora.r": (1, None), "loss_chunk": (1, None),
+                  "warmup_steps": (0, None), "log_positions": (0, None), "sampling.top_k": (0, None), "beta": (0, 1),
+                  "checkpointing": (0, 1), "lora.dropout": (0, 1), "weight_decay": (0, None),
+                  "sampling.temperature": (0, None), "steps_per_rollout": (1, None),
+                  "seed": (0, 2**32 - 1), "cpu_threads": (0, None)}   # seed: numpy's seeds are 32-bit
         for k, (lo, hi) in ranges.items():
-            v = getattr(self, k)
+            v = get(k)
             if v < lo or (hi is not None and v > hi):
                 raise ValueError(f"config field {k}={v!r}: must be in [{lo}, {'inf' if hi is None else hi}]")
-        for k in ("lr", "temperature", "lora_alpha"):
-            if not getattr(self, k) > 0: raise ValueError(f"config field {k}={getattr(self, k)!r}: must be > 0")
-        if not 0 < self.top_p <= 1: raise ValueError(f"config field top_p={self.top_p!r}: must be in (0, 1]")
-        if self.fused_lora and self.lora_dropout > 0:   # with dropout peft's own forward would run: nothing fused
-            raise ValueError(f"config field fused_lora=True needs lora_dropout=0 (it is {self.lora_dropout})")
-        if not 0 < self.vllm_memory < 1:
-            raise ValueError(f"config field vllm_memory={self.vllm_memory!r}: must be in (0, 1)")
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f"config field ema_decay={self.ema_decay!r}: must be in [0, 1)")
+        for k in ("lr", "temperature", "lora.alpha"):
+            if not get(k) > 0: raise ValueError(f"config field {k}={get(k)!r}: must be > 0")
+        if not 0 < self.sampling.top_p <= 1:
+            raise ValueError(f"config field sampling.top_p={self.sampling.top_p!r}: must be in (0, 1]")
+        if self.fused_lora and self.lora.dropout > 0:   # with dropout peft's own forward would run: nothing fused
+            raise ValueError(f"config field fused_lora=True needs lora.dropout=0 (it is {self.lora.dropout})")
+        if not 0 < self.vllm.memory < 1:
+            raise ValueError(f"config field vllm.memory={self.vllm.memory!r}: must be in (0, 1)")
+        if not 0 <= self.ema.decay < 1:
+            raise ValueError(f"config field ema.decay={self.ema.decay!r}: must be in [0, 1)")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"config field top_k={self.top_k!r}: must be >= 0 (0 or None = off)")
-        self.lora_targets = tuple(self.lora_targets)
         valid = [f.name for f in dataclasses.fields(PromptConfig)]
         bad = sorted(set(self.prompt) - set(valid))
         if bad: raise ValueError(f"config field prompt: unknown key(s) {bad}; valid keys: {valid}")
@@ -154,7 +180,8 @@ class OPSDConfig:
         if self.teacher_context == "none":   # a template without a reference block has nothing to cut
             try: no_reference_template(PromptConfig(**self.prompt).teacher_template)
             except ValueError as e: raise ValueError(f"config field teacher_context='none': {e}") from None
-        if self.async_rollout: self.vllm_sleep = False   # the engine stays awake: it samples while training runs
+        if self.async_rollout: self.vllm = dataclasses.replace(self.vllm, sleep=False)   # the engine stays awake:
+        #                                                                                 it samples while training runs
         if self.length_grouping and (self.padding == "released" or self.normalize != "global"):
             raise ValueError(f"config field length_grouping=True needs padding='aligned' (or 'packed') and "
                              f"normalize='global' (got padding={self.padding!r}, normalize={self.normalize!r}): with "
@@ -163,16 +190,21 @@ class OPSDConfig:
 
     @classmethod
     def toy(cls, **kw) -> "OPSDConfig":
-        "The CPU preset for the embedded toy world (SPEC: LoRA r8, batch 32, lr 1e-3, T 1.1, tau 0.05)."
-        base = dict(model="toy:soft", lora_r=8, lora_alpha=16, lr=1e-3, max_grad_norm=1.0, batch_size=32,
-                    micro_batch_size=32, steps=100, save_every=25, dtype="float32", max_completion_length=64,
+        """The CPU preset for the embedded toy world (SPEC: LoRA r8, batch 32, lr 1e-3, T 1.1, tau 0.05); `kw` as
+        `replace`'s (a nested field's mapping merged into the preset's)."""
+        base = dict(model="toy:soft", lora=dict(r=8, alpha=16), lr=1e-3, max_grad_norm=1.0, batch_size=32,
+                    micro_batch_size=32, steps=100, save_every=25, dtype="float32", sampling=dict(max_tokens=64),
                     run_dir="runs/toy", log_positions=64, checkpointing=0.0, rollout="hf")
-        return cls(**{**base, **kw})
+        return cls(**merge_config(base, _keywords(kw, "OPSDConfig.toy")))
 
-    def replace(self, **kw) -> "OPSDConfig": return dataclasses.replace(self, **kw)
+    def replace(self, **kw) -> "OPSDConfig":
+        """A copy with fields changed; a nested field takes a mapping merged into this config's
+        (`cfg.replace(lora=dict(r=8))` keeps its alpha), or a whole `LoRA`/`Sampling`/`VLLM`/`EMA`."""
+        return type(self)(**merge_config(self.to_dict(), _keywords(kw, "OPSDConfig.replace")))
 
     def to_dict(self) -> dict:
-        d = asdict(self); d["lora_targets"] = list(self.lora_targets); return d
+        "Every field as plain data, the nested ones as mappings (config.json, trackers)."
+        d = asdict(self); d["lora"]["targets"] = list(self.lora.targets); return d
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "OPSDConfig":
@@ -181,26 +213,35 @@ class OPSDConfig:
             raise ValueError(f"{source}: config field sample_seeding={d['sample_seeding']!r} was removed (its seed did "
                              "not repeat on vLLM); every request is seeded seed + i, as 'row' was")
         d = upgrade_config({k: v for k, v in d.items() if k != "sample_seeding"})   # 'row' (those days): today's way
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - known, key=str)
         if unknown: raise ValueError(f"{source}: unknown config field(s) {unknown}; known: {sorted(known)}")
         try: return cls(**d)
         except ValueError as e: raise ValueError(f"{source}: {e}") from None
 
     @classmethod
     def from_yaml(cls, path, base: "OPSDConfig | None" = None, **overrides) -> "OPSDConfig":
-        "Load a YAML file (a mapping of config fields) on top of `base`; keyword overrides win."
+        """Load a YAML file (a mapping of config fields; nested fields as blocks or dotted keys) on top of `base`,
+        merged into it (`vllm: {sleep: false}` keeps the base's other vllm fields); keyword overrides win."""
         d = read_yaml(path)
         if not isinstance(d, dict):
             raise ValueError(f"{path}: expected a mapping of config fields, got {type(d).__name__}")
-        return cls.from_dict({**(base or cls()).to_dict(), **upgrade_config(d), **upgrade_config(overrides)},
-                             source=str(path))
+        return cls.from_dict(merge_config((base or cls()).to_dict(), d, overrides), source=str(path))
 
-RENAMED = dict(kernels="decoder_kernels", fused_chunk="loss_chunk")   # a field's name in older runs' config.json -> today's
+# a field's name in older runs' config.json (and users' YAML, `--set`) -> today's; a dotted name is a nested field
+RENAMED = dict(kernels="decoder_kernels", fused_chunk="loss_chunk",
+               lora_r="lora.r", lora_alpha="lora.alpha", lora_dropout="lora.dropout", lora_targets="lora.targets",
+               max_completion_length="sampling.max_tokens", sample_temperature="sampling.temperature",
+               top_p="sampling.top_p", sample_top_k="sampling.top_k",
+               vllm_memory="vllm.memory", vllm_sleep="vllm.sleep", rollout_quantization="vllm.quantization",
+               rollout_kv_cache="vllm.kv_cache", ema_decay="ema.decay", ema_start="ema.start")
 # retired fields (LOG.md) and the value at which each did nothing
 RETIRED = dict(async_queue=0, async_priority=False, async_carveout=0, async_sms=0, async_switch_ms=1.0, flat_adapters=False)
 
-def upgrade_config(d: dict) -> dict:
-    """A mapping of config fields, as any opsd version wrote it, in today's names: `RENAMED` fields renamed, `fused` and
+def upgrade_config(d: dict, # config fields as any opsd version wrote them (flat, nested or dotted keys)
+                   flat: bool = False, # dotted keys (`{'lora.r': 8}`) instead of nested mappings (`{'lora': {'r': 8}}`)
+                  ) -> dict:
+    """A mapping of config fields, as any opsd version wrote it, in today's names: `RENAMED` fields renamed (the flat
+    names of before the nested fields too), dotted keys (`lora.r`, as `--set` writes them) nested, `fused` and
     `fused_kernel` as `loss_kernel`, `packed` as `padding='packed'`. `RETIRED` fields (LOG.md says what each measured)
     are dropped with a warning that names them: they changed the speed of a step, never its numbers."""
     noop = lambda k: d[k] == RETIRED[k] and isinstance(d[k], bool) == isinstance(RETIRED[k], bool)
@@ -212,7 +253,50 @@ def upgrade_config(d: dict) -> dict:
         fused, kernel = out.pop("fused", False), out.pop("fused_kernel", "auto")
         out["loss_kernel"] = kernel if on(fused) else out.get("loss_kernel", "logits")
     if "packed" in out and on(out.pop("packed")): out["padding"] = "packed"
+    nested = {}
+    for k, v in out.items():   # dotted keys and nested mappings of one group merged (the later key wins)
+        g, _, sub = k.partition(".")
+        if g not in GROUPS: nested[k] = v; continue
+        if dataclasses.is_dataclass(v) and not sub: v = dataclasses.asdict(v)
+        if sub: v = {sub: v}   # 'lora.r': 8 -> lora: {r: 8}
+        nested[g] = {**nested[g], **v} if isinstance(v, dict) and isinstance(nested.get(g), dict) else v
+    if not flat: return nested
+    return {f"{k}.{s}" if isinstance(v, dict) and k in GROUPS else k: w for k, v in nested.items()
+            for s, w in (v.items() if isinstance(v, dict) and k in GROUPS else [(k, v)])}
+
+def merge_config(*ds: dict) -> dict:
+    "Mappings of config fields (any opsd version's names, nested or dotted) laid over each other; nested ones merged."
+    out = {}
+    for d in ds:
+        for k, v in upgrade_config(d or {}).items():
+            out[k] = {**out[k], **v} if k in GROUPS and isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+def _keywords(kw: dict, where: str) -> dict:
+    "Keyword overrides in today's names: a flat name of before the nested fields is refused, naming its new place."
+    if old := sorted(k for k in kw if "." in RENAMED.get(k, "")):
+        new = [RENAMED[k] for k in old]
+        raise TypeError(f"{where}: field(s) {old} moved to {new}: pass them nested, e.g. "
+                        f"{new[0].split('.')[0]}=dict({new[0].split('.')[1]}=...)")
+    return kw
+
+def _group(name: str, v):
+    "A nested field's value: a mapping merged into its class's defaults, every value type-checked (`lora.r`)."
+    cls = GROUPS[name]
+    if isinstance(v, cls): v = {f.name: getattr(v, f.name) for f in dataclasses.fields(cls)}
+    if not isinstance(v, dict): raise ValueError(f"config field {name}={v!r}: expected a mapping of {cls.__name__} fields")
+    valid = [f.name for f in dataclasses.fields(cls)]
+    if bad := sorted(set(v) - set(valid), key=str):
+        raise ValueError(f"config field {name}: unknown key(s) {bad}; valid keys: {valid}")
+    out = {f.name: _check_type(f, v.get(f.name, getattr(cls(), f.name)), f"{name}.{f.name}")
+           for f in dataclasses.fields(cls)}
+    if name == "lora": out["targets"] = tuple(out["targets"])
+    return cls(**out)
+
+def _get(cfg, key: str):
+    "A config field by its name, a nested one by its dotted name (`lora.r`)."
+    g, _, sub = key.partition(".")
+    return getattr(getattr(cfg, g), sub) if sub else getattr(cfg, g)
 
 def read_yaml(path) -> dict | list | None:
     "A YAML file's content; a missing file or malformed YAML is a one-line error naming the file (and line)."
@@ -230,15 +314,16 @@ def read_yaml(path) -> dict | list | None:
 
 _TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 
-def _check_type(f, v):
+def _check_type(f, v, name: str | None = None):
     "A config value converted to its field's type (strings that spell a number or bool), or a clear error."
+    name = name or f.name
     t = str(f.type).replace(" ", "")
     optional = t.endswith("|None")
     base = t[:-5] if optional else t
     if v is None:
         if optional: return v
-        raise ValueError(f"config field {f.name}: must not be empty (None)")
-    bad = lambda want: ValueError(f"config field {f.name}={v!r}: expected {want}, got {type(v).__name__}")
+        raise ValueError(f"config field {name}: must not be empty (None)")
+    bad = lambda want: ValueError(f"config field {name}={v!r}: expected {want}, got {type(v).__name__}")
     if base == "bool":
         if isinstance(v, bool): return v
         if isinstance(v, str) and v.lower() in _TRUE + _FALSE: return v.lower() in _TRUE
@@ -260,12 +345,17 @@ def _check_type(f, v):
     return v
 
 def field_help() -> dict[str, str]:
-    "Each `OPSDConfig` field's help text: its comment in the class body of opsd/config.py (continuation lines joined)."
+    """Each `OPSDConfig` field's help text, nested fields under their dotted names (`lora.r`) too: its comment in the
+    class body of opsd/config.py (continuation lines joined)."""
     import re, opsd
     src = (Path(opsd.__file__).parent / "config.py").read_text(encoding="utf-8")
-    out, last = {}, None
-    for line in src[src.index("class OPSDConfig"):src.index("    def __post_init__")].splitlines():
-        if m := re.match(r"    (\w+): [^=]+=.*?  # (.*)$", line): last = m.group(1); out[last] = m.group(2).strip()
-        elif last and (m := re.match(r"    #\s{2,}(.*)$", line)): out[last] += " " + m.group(1).strip()
-        else: last = None
+    out = {}
+    for prefix, cls in [("", OPSDConfig)] + [(f"{g}.", c) for g, c in GROUPS.items()]:
+        body, last = src[src.index(f"class {cls.__name__}:"):], None
+        body = body[:body.index("    def __post_init__")] if cls is OPSDConfig else body[:body.index("\n\n")]
+        for line in body.splitlines():
+            if m := re.match(r"    (\w+): [^=]+=.*?  # (.*)$", line): last = prefix + m.group(1); out[last] = m.group(2).strip()
+            elif last and (m := re.match(r"    #\s{2,}(.*)$", line)): out[last] += " " + m.group(1).strip()
+            else: last = None
     return out
+
