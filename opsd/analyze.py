@@ -325,8 +325,8 @@ def demo_token_views(jobs:list[dict], # toy jobs of `demo_jobs` (trained)
         p = make_problems(1, seed=10_000, split="test", **toy_config(j["teacher"], **j["toy"]).problem_kw())[0]
         s_ids = student_prompt_ids(tok, p["problem"], TOY_PROMPT)
         t_ids = tok(teacher_prompt(tok, p["problem"], p["solution"], TOY_PROMPT), add_special_tokens=False)["input_ids"]
-        samp = SamplingConfig(temperature=cfg.sample_temperature, top_p=cfg.top_p, top_k=cfg.sample_top_k,
-                              max_new_tokens=cfg.max_completion_length, seed=0)
+        samp = SamplingConfig(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                              max_new_tokens=cfg.sampling.max_tokens, seed=0)
         with torch.no_grad():
             comp = HFRollout(model, tok, batch_size=1, fast=False, progress=False).generate([s_ids], samp).completion_ids[0]
             pad_id, eos_id = pad_eos_ids(tok)

@@ -106,10 +106,11 @@ def rollout_table(rows: list[dict]) -> str:
                                ("error", "error", "")])
 
 # %% ../nbs/12_bench.ipynb #3c29a0e8
-E2E_COMMON = dict(clip="entry", tau=0.05, batch_size=32, max_completion_length=1024, steps=10_000,
-                  save_every=10_000_000, log_positions=0, teacher="fixed", lora_r=64, lora_alpha=128, dtype="bfloat16")
+E2E_COMMON = dict(clip="entry", tau=0.05, batch_size=32, lora=dict(r=64, alpha=128), sampling=dict(max_tokens=1024),
+                  steps=10_000,
+                  save_every=10_000_000, log_positions=0, teacher="fixed", dtype="bfloat16")
 E2E_DEFAULT = ("released", "fast", "fast-offpolicy")   # the recipes (configs/recipes)
-FP8_ROLLOUT = dict(rollout_quantization="fp8", rollout_kv_cache="fp8")   # a departure: sampling from an fp8 student
+FP8_ROLLOUT = dict(vllm=dict(quantization="fp8", kv_cache="fp8"))   # a departure: sampling from an fp8 student
 
 def e2e_variants() -> dict:
     """The e2e variants: the recipes (`opsd.recipes`), then ablations that explain `fast`, one change each: without
@@ -187,7 +188,8 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
         tr = None
         try:
             cfg = OPSDConfig(**{**E2E_COMMON, **(common or {}), **over, "model": str(model_dir), "seed": 0,
-                                "run_dir": str(run_root / slug), "name": slug, "rollout": rollout, "vllm_memory": vllm_memory})
+                                "run_dir": str(run_root / slug), "name": slug, "rollout": rollout,
+                                "vllm": {"memory": vllm_memory}})
             key = engine_settings(cfg)
             for k, e in engines.items():             # HF engines of other settings (vLLM: refused above) set aside
                 if k != key: e.sleep()

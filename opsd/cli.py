@@ -32,7 +32,7 @@ __all__ = ['CONFIG_CHOICES', 'TRAIN_FLAGS', 'PRESETS', 'USER_ERRORS', 'DISK_FULL
 # %% ../nbs/11_cli.ipynb #c4fbac5c
 # the allowed values of config fields: the config's own constants, not a second list
 CONFIG_CHOICES = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=LAYOUTS, scheduler=SCHEDULERS, rollout=ROLLOUTS,
-                      objective=OBJECTIVES, normalize=NORMALIZE, ema_start=EMA_STARTS, dtype=DTYPES,
+                      objective=OBJECTIVES, normalize=NORMALIZE, ema=dict(start=EMA_STARTS), dtype=DTYPES,
                       loss_kernel=LOSS_KERNELS, decoder_kernels=DECODER_KERNELS)
 # the OPSDConfig fields that `opsd train` takes as flags (any other field: --set KEY=VALUE)
 TRAIN_FLAGS = ("model", "data", "run_dir", "clip", "tau", "beta", "temperature", "teacher", "padding", "steps", "lr",

@@ -132,7 +132,7 @@ def run_job(job:dict, # from `demo_jobs`
         test_set = make_problems(r["n_eval"], seed=10_000, split="test", **kw)  # one held-out set for every run
         base = AutoModelForCausalLM.from_pretrained(path).eval(); tok = AutoTokenizer.from_pretrained(path)
         sweep_checkpoints(cfg.run_dir, base, tok, test_set, k=r["k"], seeds=(r["eval_seed"],), grade_mode="exact",
-                          sampling=default_eval_sampling(r["eval_seed"], max_new_tokens=cfg.max_completion_length),
+                          sampling=default_eval_sampling(r["eval_seed"], max_new_tokens=cfg.sampling.max_tokens),
                           prompt_cfg=TOY_PROMPT, backend="hf", batch_size=256, progress=False)
         out["eval_s"] = round(time.perf_counter() - t1, 1)
     return out
@@ -229,8 +229,8 @@ def _world_engine(world, cfg, tok, problem_sets:Sequence, prompt_cfg, budget:int
     if backend == "vllm":
         max_len = max(len(ids) for ps in problem_sets for ids in eval_prompt_ids(tok, ps, None, prompt_cfg)) + budget
     # no model yet (None): each trainer syncs its student into the engine, each evaluation its checkpoint
-    return make_rollout(backend, None, tok, world.path, max_model_len=max_len, gpu_memory_utilization=cfg.vllm_memory,
-                        sleep=cfg.vllm_sleep, seed=cfg.seed, progress=False, merged=True)
+    return make_rollout(backend, None, tok, world.path, max_model_len=max_len, gpu_memory_utilization=cfg.vllm.memory,
+                        sleep=cfg.vllm.sleep, seed=cfg.seed, progress=False, merged=True)
 
 def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
                    progress:bool=True, # the trainer's bar and one line per run
@@ -250,7 +250,7 @@ def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
     w = resolve_world(name, data=data)
     cfgs = [job_config(j) for j in jobs]
     r = jobs[0]["recipe"]
-    budget = r.get("max_new_tokens") or max(c.max_completion_length for c in cfgs)
+    budget = r.get("max_new_tokens") or max(c.sampling.max_tokens for c in cfgs)
     t0 = time.perf_counter()
     path = w.path
     if progress: print(f"[opsd demo] {w.name}: base model ready ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -265,7 +265,7 @@ def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
         if shared[0] is None:
             t0 = time.perf_counter()
             shared[0] = _world_engine(w, cfgs[0], tok, [test_set, *train_sets.values()], prompt_cfg,
-                                      max(budget, *(c.max_completion_length for c in cfgs)))
+                                      max(budget, *(c.sampling.max_tokens for c in cfgs)))
             if progress: print(f"[opsd demo] one {type(shared[0]).__name__} for {len(jobs)} runs, ready in "
                                f"{time.perf_counter() - t0:.0f} s", flush=True)
         return shared[0]
@@ -598,7 +598,7 @@ def cmd_demo(a):
         if w.kind != "toy": raise ValueError("--quick is a pipeline check on a reduced toy: use it without --model")
         recipe = DemoRecipe({**cfg, "steps": min(steps, 4), "save_every": 2, "batch_size": 8, "log_positions": 8},
                             n_eval=min(a.n_eval or _TOY_EVAL["n"], 32), k=1)
-        toy, over = QUICK_TOY, dict(max_completion_length=24, **over)
+        toy, over = QUICK_TOY, dict(sampling=dict(max_tokens=24), **over)
     if a.study is not None and w.kind != "toy": raise ValueError("--study runs on the toy world only")
     if a.study == "schedules":
         return study_schedules(a.out or "runs/schedules", teacher=teachers[0], seeds=max(a.seeds, 2), recipe=recipe,

@@ -231,10 +231,10 @@ SMOLLM2_PROMPT = PromptConfig(
 
 # %% ../nbs/08b_smollm2.ipynb #e39d401d
 SMOLLM2_RECIPE = dict(
-    lora_r=16, lora_alpha=32, lr=1e-4, scheduler="constant", warmup_steps=0, max_grad_norm=1.0,
-    batch_size=32, micro_batch_size=32, max_completion_length=128, steps=50, save_every=10,
-    dtype="bfloat16", checkpointing=0.0, rollout="auto", vllm_memory=0.2, vllm_sleep=False,
-    log_positions=64, prompt=asdict(SMOLLM2_PROMPT))
+    lora=dict(r=16, alpha=32), sampling=dict(max_tokens=128), vllm=dict(memory=0.2, sleep=False), lr=1e-4,
+    scheduler="constant", warmup_steps=0, max_grad_norm=1.0,
+    batch_size=32, micro_batch_size=32, steps=50, save_every=10,
+    dtype="bfloat16", checkpointing=0.0, rollout="auto", log_positions=64, prompt=asdict(SMOLLM2_PROMPT))
 
 SMOLLM2_EVAL = dict(n=100, k=1, max_new_tokens=128, seed=10_000, split="test", difficulty=None,
                     temperature=0.0, top_p=1.0)  # greedy: `World.eval_sampling` (08c_worlds) reads these two

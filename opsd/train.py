@@ -44,12 +44,12 @@ def add_lora(model, cfg: OPSDConfig):
     "Wrap a model with LoRA adapters (peft) on the configured projections."
     from peft import LoraConfig, get_peft_model
     present = {n.split(".")[-1] for n, _ in model.named_modules()}
-    if not all(isinstance(t, str) for t in cfg.lora_targets):
-        raise ValueError(f"config field lora_targets={list(cfg.lora_targets)!r}: expected a list of module names "
+    if not all(isinstance(t, str) for t in cfg.lora.targets):
+        raise ValueError(f"config field lora.targets={list(cfg.lora.targets)!r}: expected a list of module names "
                          "(e.g. [q_proj, v_proj])")
-    targets = [t for t in cfg.lora_targets if t in present]
-    if not targets: raise ValueError(f"none of lora_targets {cfg.lora_targets} exist in the model")
-    lc = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets,
+    targets = [t for t in cfg.lora.targets if t in present]
+    if not targets: raise ValueError(f"none of lora.targets {cfg.lora.targets} exist in the model")
+    lc = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=targets,
                     bias="none", task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft still asks for the deprecated `is_gradient_checkpointing` property
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -311,13 +311,13 @@ def _scheduler(optimizer, cfg: OPSDConfig):
 
 def rollout_engine_kw(cfg: OPSDConfig) -> dict:
     "The `vllm.LLM` arguments of a config's rollout departures (fp8 weights, fp8 KV cache); {} for the default."
-    out = dict(quantization=cfg.rollout_quantization) if cfg.rollout_quantization else {}
-    if cfg.rollout_kv_cache != "auto": out["kv_cache_dtype"] = cfg.rollout_kv_cache
+    out = dict(quantization=cfg.vllm.quantization) if cfg.vllm.quantization else {}
+    if cfg.vllm.kv_cache != "auto": out["kv_cache_dtype"] = cfg.vllm.kv_cache
     return out
 
 def engine_settings(x) -> tuple:
     "(quantization, KV-cache dtype) of a config or a rollout engine (HF engines: the defaults)."
-    if isinstance(x, OPSDConfig): return x.rollout_quantization, x.rollout_kv_cache
+    if isinstance(x, OPSDConfig): return x.vllm.quantization, x.vllm.kv_cache
     return getattr(x, "quantization", None), getattr(x, "kv_cache_dtype", "auto")
 
 def _sync(device):
@@ -365,9 +365,10 @@ class OPSDTrainer:
         optimizer = torch.optim.AdamW([p for _, p in trainable(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)   # DDP / FSDP / DeepSpeed per launch config
         self.scheduler = _scheduler(self.optimizer, cfg)                   # stepped once per optimizer step by us
-        self.teacher = Teacher(self.unwrapped, cfg.teacher, cfg.ema_decay, cfg.ema_start)
-        self.sampling = SamplingConfig(temperature=cfg.sample_temperature, top_p=cfg.top_p, top_k=cfg.sample_top_k,
-                                       max_new_tokens=cfg.max_completion_length, seed=cfg.seed)
+        self.teacher = Teacher(self.unwrapped, cfg.teacher, cfg.ema.decay, cfg.ema.start)
+        self.sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                                       top_k=cfg.sampling.top_k,
+                                       max_new_tokens=cfg.sampling.max_tokens, seed=cfg.seed)
         if rollout is not None and engine_settings(rollout) != engine_settings(cfg):
             raise ValueError(f"the given rollout engine samples with {engine_settings(rollout)}, this config with "
                              f"{engine_settings(cfg)}: give it an engine with its own settings (or none)")
@@ -394,14 +395,14 @@ class OPSDTrainer:
         max_len = None
         if backend == "vllm":   # the engine is sized for the longest student prompt plus the completion budget
             longest = max(len(self.prompts(i)[0]) for i in range(len(self.problems)))
-            max_len = longest + self.cfg.max_completion_length
+            max_len = longest + self.cfg.sampling.max_tokens
         engine = rollout_engine_kw(self.cfg)
         if engine and backend != "vllm":
-            raise ValueError(f"config fields rollout_quantization / rollout_kv_cache ({engine}) are vLLM's; the "
+            raise ValueError(f"config fields vllm.quantization / vllm.kv_cache ({engine}) are vLLM's; the "
                              f"rollout here is {backend!r} (rollout={self.cfg.rollout!r}): use rollout='vllm' on CUDA")
         # HF: a LoRA-merged copy generates (fewer ops per decoding step); `sync` refreshes it
         return make_rollout(backend, self.unwrapped, self.tok, self.model_path, max_model_len=max_len,
-                            gpu_memory_utilization=self.cfg.vllm_memory, sleep=self.cfg.vllm_sleep, seed=self.cfg.seed,
+                            gpu_memory_utilization=self.cfg.vllm.memory, sleep=self.cfg.vllm.sleep, seed=self.cfg.seed,
                             progress=False, merged=True, **engine)
 
     def prompts(self, i: int) -> tuple[list[int], list[int]]:
@@ -414,7 +415,7 @@ class OPSDTrainer:
         return self._prompt_cache[i]
 
     def check_context(self):
-        "Refuse problems whose student or teacher prompt plus max_completion_length exceeds the model's context."
+        "Refuse problems whose student or teacher prompt plus sampling.max_tokens exceeds the model's context."
         from transformers import AutoConfig
         limit = model_context(AutoConfig.from_pretrained(str(self.model_path)))
         where = self.cfg.data or getattr(self.problems, "source", "") or "the problems"
@@ -423,7 +424,7 @@ class OPSDTrainer:
         try: [self.prompts(i) for i in range(len(self.problems))]   # teacher_context='wrong' needs 2 distinct answers
         except ValueError as e: raise ValueError(f"{where}: {e}") from None
         for k, what in enumerate(("student prompt", "teacher prompt")):
-            check_context([self.prompts(i)[k] for i in range(len(self.problems))], budget=self.cfg.max_completion_length,
+            check_context([self.prompts(i)[k] for i in range(len(self.problems))], budget=self.cfg.sampling.max_tokens,
                           limit=limit, where=where, ids=ids, what=what)
 
     def sync(self):
@@ -502,7 +503,7 @@ def sample(self: OPSDTrainer, plan: StepPlan) -> Samples:
     if self._pending is None or plan.step not in self._pending.samples:
         self.model.eval()
         self._pending = self.run_pending(self.pending_for(self.group_steps(plan.step), at=plan.step))
-        if self.cfg.vllm_sleep: self.rollout.sleep()     # vLLM frees its memory for the training phase (HF: nothing)
+        if self.cfg.vllm.sleep: self.rollout.sleep()     # vLLM frees its memory for the training phase (HF: nothing)
     return self.take(plan.step)
 
 
@@ -772,7 +773,7 @@ def config_differences(old: dict, # a saved config.json
                        new: dict, # `OPSDConfig.to_dict()` of the new run
                       ) -> dict: # field -> (old, new)
     "The fields on which two configs give different results (RESUME_MAY_DIFFER aside; absent = the default)."
-    defaults, old, new = _plain(OPSDConfig().to_dict()), _plain(upgrade_config(old)), _plain(upgrade_config(new))
+    defaults, old, new = (_plain(upgrade_config(d, flat=True)) for d in (OPSDConfig().to_dict(), old, new))
     out = {k: (old.get(k, d), new.get(k, d)) for k, d in defaults.items()
            if k not in RESUME_MAY_DIFFER and old.get(k, d) != new.get(k, d)}
     if "steps" in out and old.get("scheduler") == new.get("scheduler") == "constant": del out["steps"]
@@ -838,7 +839,7 @@ def resume(self: OPSDTrainer) -> int:
     if self.step_done < self.cfg.steps: self._pending = self._regenerate_pending(ck)   # samples of later steps
     self.sync()
     # the next step trains on samples already drawn (inside a group): the engine sleeps through it, as after sampling
-    if self._pending is not None and self.cfg.vllm_sleep: self.rollout.sleep()
+    if self._pending is not None and self.cfg.vllm.sleep: self.rollout.sleep()
     return self.step_done
 
 @patch

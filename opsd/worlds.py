@@ -67,7 +67,7 @@ class World:
             return {**_EVAL, **SMOLLM2_EVAL}
         if self.kind == "toy":  # the toy preset's completion budget (the eval sampling's 1024 exceeds its 512 positions)
             from opsd.train import OPSDConfig
-            return dict(_EVAL, max_new_tokens=OPSDConfig.toy().max_completion_length)
+            return dict(_EVAL, max_new_tokens=OPSDConfig.toy().sampling.max_tokens)
         return dict(_EVAL)
 
     @property

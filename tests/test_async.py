@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 
 DATA = Path(__file__).parent / "data"
 # the stored regression run (tests/test_regression.py): recorded before async_rollout existed
-REG_CONFIG = dict(steps=3, batch_size=4, micro_batch_size=2, max_completion_length=8, dtype="float64", rollout="hf",
+REG_CONFIG = dict(steps=3, batch_size=4, micro_batch_size=2, sampling=dict(max_tokens=8), dtype="float64", rollout="hf",
                   lr=1e-2, tau=2e-5, seed=3, log_positions=0, save_every=100)
 
 
@@ -38,7 +38,7 @@ def numbers(row: dict) -> dict:
 def make_trainer(ckpt, problems, run_dir, **kw) -> OPSDTrainer:
     "A float64 CPU trainer on the toy preset with a small batch and a large constant lr (the samples move each step)."
     base = dict(model=str(ckpt), run_dir=str(run_dir), steps=4, batch_size=4, micro_batch_size=4, lr=0.05,
-                scheduler="constant", max_grad_norm=0.0, max_completion_length=10, log_positions=0, dtype="float64",
+                scheduler="constant", max_grad_norm=0.0, sampling=dict(max_tokens=10), log_positions=0, dtype="float64",
                 save_every=100, padding="aligned")
     return OPSDTrainer(OPSDConfig.toy(**{**base, **kw}), problems, progress=False)
 
@@ -73,7 +73,7 @@ def test_async_off_equals_the_stored_synchronous_run(tiny_ckpt, toy_problems, tm
     assert want["config"] == REG_CONFIG
     tr = OPSDTrainer(OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "off"), async_rollout=False,
                                     **REG_CONFIG), toy_problems, progress=False)
-    assert tr.cfg.vllm_sleep  # off leaves the release's sleep alone
+    assert tr.cfg.vllm.sleep  # off leaves the release's sleep alone
     seen = record(tr)
     rows = [tr.step(s) for s in range(1, 4)]
     assert seen["generated"] == want["completions"]
@@ -91,7 +91,7 @@ def test_async_trains_on_samples_from_two_updates_back(sharp_ckpt, toy_problems,
     completions under the current weights. Break that made it fail: the next rollout launched after the sync
     (zero staleness: step t trains on theta_{t-1}'s samples)."""
     tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "async", async_rollout=True)
-    assert tr.cfg.vllm_sleep is False  # forced: the engine stays awake beside training
+    assert tr.cfg.vllm.sleep is False  # forced: the engine stays awake beside training
     seen = record(tr)
     rows = [tr.step(s) for s in range(1, 5)]
     assert len(seen["trained"]) == 4 and len(seen["theta"]) == 5
@@ -142,7 +142,8 @@ def test_async_resume_equals_uninterrupted_run(sharp_ckpt, toy_problems, tmp_pat
     regenerated from the stored adapter theta_1 with step 3's seed). Breaks that made it fail: `_regenerate_pending`
     returning None (the resumed step 3 samples its own batch from theta_2); regenerating from the checkpoint's theta_2
     instead of rollout_adapter.safetensors."""
-    kw = dict(steps=4, save_every=2, teacher="ema", ema_decay=0.5, lora_dropout=0.1, micro_batch_size=2, lr=0.01,
+    kw = dict(steps=4, save_every=2, teacher="ema", lora=dict(dropout=0.1), ema=dict(decay=0.5), micro_batch_size=2,
+              lr=0.01,
               async_rollout=True)
     full, first, rest, b = stopped_and_resumed(sharp_ckpt, toy_problems, tmp_path, 2, **kw)
     assert (tmp_path / "resumed" / "checkpoints" / "step-2" / "rollout_adapter.safetensors").exists()
@@ -170,15 +171,15 @@ def stopped_and_resumed(ckpt, problems, tmp_path, stop: int, **kw) -> tuple:
 
 def test_cli_set_async_rollout(tiny_ckpt, toy_data_file, tmp_path):
     """`opsd train --set async_rollout=true` runs async (rows log the rollout wait and overlap) and writes the forced
-    `vllm_sleep: false` into the run's config. Break that made it fail: dropping the forcing line in
+    `vllm.sleep: false` into the run's config. Break that made it fail: dropping the forcing line in
     `OPSDConfig.__post_init__` (the config keeps vllm_sleep true)."""
     run = tmp_path / "cli"
     cmd = [venv_bin("opsd"), "train", "--preset", "toy", "--model", str(tiny_ckpt), "--data", str(toy_data_file),
            "--run-dir", str(run), "--steps", "3", "--save-every", "2", "--batch-size", "4", "--micro-batch-size", "4",
-           "--quiet", "--set", "max_completion_length=6", "log_positions=0", "async_rollout=true"]
+           "--quiet", "--set", "sampling.max_tokens=6", "log_positions=0", "async_rollout=true"]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     c = read_config(run)
-    assert (c["async_rollout"], c["vllm_sleep"]) == (True, False)
+    assert (c["async_rollout"], c["vllm"]["sleep"]) == (True, False)
     m = read_metrics(run)
     assert m["step"].to_list() == [1, 2, 3] and (m["time/overlap"] == 0).all() and (m["time/rollout_wait"] > 0).all()
     assert (run / "checkpoints" / "step-2" / "rollout_adapter.safetensors").exists()
@@ -191,7 +192,7 @@ def test_async_thread_on_cuda_same_samples_and_overlap(sharp_ckpt, toy_problems,
     merged engine); the completions trained on equal the CPU semantics (a synchronous sample of step t from
     theta_{t-2}), and some rollout time is hidden under training. Break to try: `launch_training` running the work at
     once on CUDA too (no overlap: time/overlap stays 0)."""
-    kw = dict(dtype="float32", batch_size=8, micro_batch_size=2, max_completion_length=32, lr=0.05, steps=4)
+    kw = dict(dtype="float32", batch_size=8, micro_batch_size=2, sampling=dict(max_tokens=32), lr=0.05, steps=4)
     tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "gpu", async_rollout=True, **kw)
     assert tr.acc.device.type == "cuda"
     seen = record(tr)

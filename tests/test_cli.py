@@ -120,7 +120,7 @@ def test_train_preset_follows_the_world(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("model: toy\nsteps: 7\nlr: 0.5\n")
     cfg = config_from_args(parser().parse_args(["train", "--config", str(y), "--lr", "0.25"]))
-    assert (cfg.model, cfg.steps, cfg.lr, cfg.lora_r) == ("toy", 7, 0.25, 8)  # world preset < file < flags
+    assert (cfg.model, cfg.steps, cfg.lr, cfg.lora.r) == ("toy", 7, 0.25, 8)  # world preset < file < flags
     cfg = config_from_args(parser().parse_args(["train", "--model", "toy", "--preset", "released"]))
     assert cfg.to_dict() == OPSDConfig(model="toy").to_dict()
 
@@ -131,7 +131,7 @@ def test_train_preset_follows_the_world(tmp_path):
 def smollm2_run(tmp_path_factory):
     rd = tmp_path_factory.mktemp("smol") / "run"
     run("train", "--model", "smollm2", "--steps", "1", "--batch-size", "2", "--micro-batch-size", "2",
-        "--set", "max_completion_length=16", "log_positions=4", "teacher_context=none", "--run-dir", rd, "--quiet")
+        "--set", "sampling.max_tokens=16", "log_positions=4", "teacher_context=none", "--run-dir", rd, "--quiet")
     return rd
 
 
@@ -141,7 +141,7 @@ def test_train_smollm2_on_cpu(smollm2_run):
     from opsd.smollm2 import SMOLLM2_RECIPE
     rd = smollm2_run
     cfg = json.loads((rd / "config.json").read_text())
-    assert (cfg["model"], cfg["dtype"], cfg["rollout"], cfg["batch_size"], cfg["max_completion_length"],
+    assert (cfg["model"], cfg["dtype"], cfg["rollout"], cfg["batch_size"], cfg["sampling"]["max_tokens"],
             cfg["teacher_context"]) == ("smollm2", "float32", "hf", 2, 16, "none")
     mine = ("dtype", "rollout", "batch_size", "micro_batch_size", "steps", "max_completion_length", "run_dir",
             "log_positions", "teacher_context")  # set on the command line, or the CPU's choices

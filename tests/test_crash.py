@@ -28,8 +28,9 @@ STEPS, EVERY = 6, 2
 
 def config(ckpt, data, run) -> dict:
     return dict(model=str(ckpt), data=str(data), run_dir=str(run), steps=STEPS, save_every=EVERY, batch_size=8,
-                micro_batch_size=4, max_completion_length=12, log_positions=1, padding="aligned", teacher="ema",
-                ema_decay=0.5, lora_dropout=0.1, lr=1e-2)
+                micro_batch_size=4, lora=dict(dropout=0.1), sampling=dict(max_tokens=12), ema=dict(decay=0.5),
+                log_positions=1, padding="aligned", teacher="ema",
+                lr=1e-2)
 
 
 def start(cfg: dict, pause: str | None = None, mark: Path | None = None, stop_after=None, fsize: int | None = None):

@@ -29,7 +29,7 @@ def tiny_demo(tmp_path_factory):
     recipe = demo.DemoRecipe(dict(steps=2, batch_size=4, save_every=1, log_positions=4), n_eval=8, k=2)
     try:
         res = demo.run_demo(root / "demo", clips=("entry", "none"), seeds=2, recipe=recipe, workers=2, toy=SMALL_TOY,
-                            report=True, png=False, max_completion_length=16)
+                            report=True, png=False, sampling=dict(max_tokens=16))
     finally:
         mp.undo()
     yield root / "demo", dict(res, hashed=hashed, cache=root / "cache")
@@ -117,7 +117,7 @@ def test_toy_demo_config_is_unchanged():
     job = demo.demo_jobs("runs/demo", clips=("scaled",), seeds=[2])[0]
     by_hand = OPSDConfig.toy(model="toy:soft", run_dir="runs/demo/soft-scaled-s2", name="soft-scaled-s2", clip="scaled",
                              seed=2, steps=100, lr=3e-3, scheduler="linear", batch_size=32, micro_batch_size=32,
-                             lora_r=8, lora_alpha=16, max_grad_norm=1.0, save_every=25, log_positions=64,
+                             lora=dict(r=8, alpha=16), max_grad_norm=1.0, save_every=25, log_positions=64,
                              padding="aligned")
     assert demo.job_config(job).to_dict() == by_hand.to_dict()
     assert (job["recipe"]["n_eval"], job["recipe"]["k"], job["recipe"]["eval_seed"]) == (200, 2, 0)
@@ -157,8 +157,9 @@ def world_demo(tiny_ckpt, toy_data_file, tmp_path_factory):
     try:
         code, stdout, err = opsd_main(
             "demo", "--model", tiny_ckpt, "--data", toy_data_file, "--seeds", 2, "--clips", "entry", "none", "--steps", 2,
-            "--n-eval", 6, "--k", 1, "--out", out, "--no-png", "--set", "batch_size=4", "micro_batch_size=4", "lora_r=4",
-            "lora_alpha=8", "max_completion_length=12", "log_positions=4", "dtype=float32", "rollout=hf", "lr=0.01")
+            "--n-eval", 6, "--k", 1, "--out", out, "--no-png", "--set", "batch_size=4", "micro_batch_size=4",
+            "lora.r=4",
+            "lora.alpha=8", "sampling.max_tokens=12", "log_positions=4", "dtype=float32", "rollout=hf", "lr=0.01")
     finally:
         mp.undo()
     assert code == 0, err[-3000:]
@@ -188,8 +189,8 @@ def test_world_demo_evaluates_with_the_worlds_sampling(tiny_ckpt, toy_data_file,
     from opsd.worlds import World
     monkeypatch.setattr(World, "eval_sampling", lambda self, seed=0, max_new_tokens=None:
                         SamplingConfig(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed))
-    recipe = demo.DemoRecipe(dict(steps=1, batch_size=2, micro_batch_size=2, save_every=1, lora_r=2, lora_alpha=4,
-                                  max_completion_length=8, log_positions=0, dtype="float32", rollout="hf"),
+    recipe = demo.DemoRecipe(dict(steps=1, batch_size=2, micro_batch_size=2, save_every=1, lora=dict(r=2, alpha=4),
+                                  sampling=dict(max_tokens=8), log_positions=0, dtype="float32", rollout="hf"),
                              n_eval=3, k=1)
     demo.run_demo(tmp_path / "g", clips=("entry",), seeds=1, recipe=recipe, world=str(tiny_ckpt),
                   data=str(toy_data_file), report=False, png=False, progress=False)

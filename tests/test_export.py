@@ -17,7 +17,7 @@ import torch
 
 from conftest import opsd_main
 
-SMALL = ["batch_size=2", "micro_batch_size=2", "max_completion_length=8", "lora_r=2", "dtype=float32"]
+SMALL = ["batch_size=2", "micro_batch_size=2", "sampling.max_tokens=8", "lora.r=2", "dtype=float32"]
 
 
 @pytest.fixture(scope="module")

@@ -288,7 +288,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_fp8_rollout_sync_equals_fresh_fp8_engine(tmp_path):
-    """`rollout_quantization='fp8'` with an fp8 KV cache: vLLM quantizes the weights as it loads them, so
+    """`vllm.quantization='fp8'` with an fp8 KV cache: vLLM quantizes the weights as it loads them, so
     `sync_weights` goes through vLLM's layerwise reload (`reload_weights`), which quantizes the new bf16 weights again
     into the same storage (the CUDA graphs keep reading it). Greedy completions of an fp8 engine started on the base
     and synced to a student equal those of an fp8 engine started on the student's own folder, token for token, also

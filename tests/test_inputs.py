@@ -17,7 +17,7 @@ import pytest
 from opsd import cli
 from opsd.repro import NUMERIC_PINS
 
-SMALL = ["batch_size=2", "micro_batch_size=2", "max_completion_length=8", "lora_r=2", "dtype=float32"]
+SMALL = ["batch_size=2", "micro_batch_size=2", "sampling.max_tokens=8", "lora.r=2", "dtype=float32"]
 
 
 def train_argv(c, *extra, sets=(), run=None, data=None, model=None):
@@ -137,8 +137,8 @@ ROWS = [
      ("c.yaml", "learning_rate")),
     ("wrong-type-in-config-file", lambda c: train_argv(c, "--config", write(c, "c.yaml", "steps: 2\ntau: x\n")),
      ("c.yaml", "tau")),
-    ("out-of-range-in-config-file", lambda c: train_argv(c, "--config", write(c, "c.yaml", "lora_dropout: 2\n")),
-     ("c.yaml", "lora_dropout=2")),
+    ("out-of-range-in-config-file", lambda c: train_argv(c, "--config", write(c, "c.yaml", "lora.dropout: 2\n")),
+     ("c.yaml", "lora.dropout=2")),
     ("yaml-set", lambda c: train_argv(c, sets=["tau=[1,"]), "--set 'tau=[1,': the value is not valid YAML"),
     ("yaml-set-demo", lambda c: ["demo", "--out", str(c.tmp / "demo"), "--set", "tau=[1,"], "--set 'tau=[1,'"),
     ("set-not-key-value", lambda c: train_argv(c, sets=["tau"]), "KEY=VALUE"),
@@ -149,7 +149,7 @@ ROWS = [
      "do not fit the model's context"),
     ("unknown-config-field", lambda c: train_argv(c, sets=["learning_rate=3"]), "learning_rate"),
     ("out-of-range-field", lambda c: train_argv(c, "--lr", "-1"), "lr=-1.0: must be > 0"),
-    ("out-of-range-set", lambda c: train_argv(c, sets=["top_p=2"]), "top_p=2"),
+    ("out-of-range-set", lambda c: train_argv(c, sets=["sampling.top_p=2"]), "sampling.top_p=2"),
     ("run-folder-is-a-file", lambda c: train_argv(c, run=c.file), "afile: is a file"),
     ("run-folder-under-a-file", lambda c: train_argv(c, run=c.file / "run"), "afile is a file"),
     ("report-out-is-a-file", lambda c: ["report", str(c.run), "--out", str(c.file), "--no-png"], "afile: is a file"),
@@ -186,7 +186,7 @@ ROWS = [
     ("eval-max-new-tokens-zero", lambda c: ["eval", str(c.run), "--max-new-tokens", "0"], "--max-new-tokens 0: must be"),
     ("demo-n-eval-zero", lambda c: ["demo", "--out", str(c.tmp / "d"), "--n-eval", "0"], "--n-eval 0: must be at least 1"),
     ("demo-workers-zero", lambda c: ["demo", "--out", str(c.tmp / "d"), "--workers", "0"], "--workers 0: must be"),
-    ("lora-targets-nested", lambda c: train_argv(c, run=c.tmp / "new", sets=["lora_targets=[[q_proj]]"]),
+    ("lora-targets-nested", lambda c: train_argv(c, run=c.tmp / "new", sets=["lora.targets=[[q_proj]]"]),
      "config field lora_targets=[['q_proj']]: expected a list of module names"),
     ("prompt-system-not-text", lambda c: train_argv(c, run=c.tmp / "new", sets=["prompt={system: [1, 2]}"]),
      "prompt field system: expected a string, got list"),

@@ -31,7 +31,7 @@ def test_packed_step_is_the_padded_step(sharp_ckpt, toy_problems, tmp_path, over
     out = {}
     for packed in (False, True):
         cfg = OPSDConfig.toy(model=str(sharp_ckpt), run_dir=str(tmp_path / f"p{packed}"), steps=1, batch_size=8,
-                             micro_batch_size=4, max_completion_length=12, log_positions=0,
+                             micro_batch_size=4, sampling=dict(max_tokens=12), log_positions=0,
                              dtype="float64", padding="packed" if packed else "aligned", **over)
         tr = OPSDTrainer(cfg, toy_problems, progress=False)
         out[packed] = (_step_cut(tr, cut), get_peft_model_state_dict(tr.unwrapped))
@@ -108,7 +108,7 @@ def test_packed_step_on_cuda_is_close(tmp_path_factory, toy_problems, tmp_path, 
     rows = {}
     for packed in (False, True):
         cfg = OPSDConfig.toy(model=str(ckpt), run_dir=str(tmp_path / f"p{packed}"), steps=1, batch_size=8,
-                             micro_batch_size=4, max_completion_length=12, log_positions=0,
+                             micro_batch_size=4, sampling=dict(max_tokens=12), log_positions=0,
                              dtype="bfloat16", padding="packed" if packed else "aligned", rollout="hf")
         rows[packed] = _step_cut(OPSDTrainer(cfg, toy_problems, progress=False), cut)
     assert calls, "the packed step did not reach torch's flash varlen kernel"
@@ -132,7 +132,7 @@ def test_packed_step_reads_nothing_back_after_the_move(sharp_ckpt, toy_problems,
     without `valid_index` (2); no attention mask (transformers' packed-row test, 4); the tree of 3f943ab (28)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     cfg = OPSDConfig.toy(model=str(sharp_ckpt), run_dir=str(tmp_path / "run"), steps=2, batch_size=4, micro_batch_size=2,
-                         max_completion_length=8, padding="packed", log_positions=0, dtype="float32",
+                         sampling=dict(max_tokens=8), padding="packed", log_positions=0, dtype="float32",
                          loss_kernel="auto" if fused else "logits")
     tr = OPSDTrainer(cfg, toy_problems, progress=False)
     tr.step(1)
@@ -162,7 +162,7 @@ def test_training_half_waits_for_the_device_nowhere_on_cuda(tmp_path_factory, to
     from conftest import _tiny_qwen3
     ckpt = _tiny_qwen3(tmp_path_factory, "sync-qwen3", seed=1, initializer_range=0.2, hidden_size=64, head_dim=16)
     cfg = OPSDConfig.toy(model=str(ckpt), run_dir=str(tmp_path / "run"), steps=2, batch_size=8, micro_batch_size=4,
-                         max_completion_length=12, padding="packed", log_positions=0, dtype="bfloat16",
+                         sampling=dict(max_tokens=12), padding="packed", log_positions=0, dtype="bfloat16",
                          loss_kernel="auto", rollout="hf")
     tr = OPSDTrainer(cfg, toy_problems, progress=False)
     tr.step(1)                                    # first step: Triton's compiles, lazy allocations

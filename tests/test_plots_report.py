@@ -550,15 +550,13 @@ def test_report_of_a_real_training_run(tiny_ckpt, toy_problems, tmp_path):
         model=str(tiny_ckpt),
         run_dir=str(tmp_path / "runs" / "tiny"),
         clip="entry",
-        lora_r=4,
-        lora_alpha=8,
+        lora=dict(r=4, alpha=8), sampling=dict(max_tokens=6),
         lr=1e-2,
         batch_size=4,
         micro_batch_size=4,
         steps=2,
         save_every=1,
         dtype="float32",
-        max_completion_length=6,
         log_positions=16,
     )
     run = train.OPSDTrainer(cfg, probs, grader=lambda t, a: grade(t, a, "exact"), progress=False).fit()
@@ -610,8 +608,9 @@ def test_report_keeps_real_runs_that_share_a_name_apart(tiny_ckpt, toy_problems,
     dirs = []
     for sub, clip, lr in (("lr1", "entry", 1e-2), ("lr2", "none", 5e-2)):
         cfg = OPSDConfig(model=str(tiny_ckpt), run_dir=str(tmp_path / "sweep" / sub / "run"), clip=clip, lr=lr,
-                         lora_r=2, lora_alpha=4, batch_size=2, micro_batch_size=2, steps=2, save_every=2,
-                         dtype="float32", max_completion_length=6, seed=0)
+                         lora=dict(r=2, alpha=4), sampling=dict(max_tokens=6), batch_size=2, micro_batch_size=2,
+                         steps=2, save_every=2,
+                         dtype="float32", seed=0)
         dirs.append(OPSDTrainer(cfg, toy_problems[:8], progress=False).fit())
     ms = [read_metrics(d) for d in dirs]
     assert set(ms[0]["run"]) == set(ms[1]["run"]) == {"run"}  # the trainer names both after their folder

@@ -27,7 +27,7 @@ CUT = [12, 2, 9, 1, 11, 3, 2, 10, 7, 12, 4, 5, 12, 1, 8, 6]   # completion lengt
 def base(ckpt, run_dir) -> OPSDConfig:
     "The toy preset on a tiny checkpoint: 16 completions a step, float64, so that 'to rounding' is tight."
     return OPSDConfig.toy(model=str(ckpt), run_dir=str(run_dir), steps=2, batch_size=16, micro_batch_size=4,
-                          max_completion_length=12, log_positions=0, dtype="float64", lr=0.05, save_every=100)
+                          sampling=dict(max_tokens=12), log_positions=0, dtype="float64", lr=0.05, save_every=100)
 
 
 def two_steps(cfg, problems) -> tuple[list, dict]:
@@ -52,11 +52,11 @@ def test_each_recipe_loads_and_names_its_departure():
     "Every named recipe loads over the toy preset; `fast` declares its equal, `fast-offpolicy` (a departure) none."
     for name in RECIPES:
         cfg = recipe_config(name, OPSDConfig.toy())
-        assert cfg.lr == OPSDConfig.toy().lr and cfg.lora_r == 8      # the run's hyperparameters are the base's
+        assert cfg.lr == OPSDConfig.toy().lr and cfg.lora.r == 8      # the run's hyperparameters are the base's
     assert read_recipe("fast")[1] == dict(recipe="released", overrides=dict(padding="aligned"))
     assert read_recipe("fast-offpolicy")[1] is None
     off = recipe_config("fast-offpolicy")
-    assert (off.steps_per_rollout, off.async_rollout, off.vllm_sleep) == (4, True, False)
+    assert (off.steps_per_rollout, off.async_rollout, off.vllm.sleep) == (4, True, False)
 
 
 EQUALS = [n for n in RECIPES if read_recipe(n)[1] is not None]
@@ -101,7 +101,7 @@ def test_cli_train_recipe_fast_offpolicy_runs_on_cpu(tiny_ckpt, toy_data_file, t
     run = tmp_path / "off"
     cmd = [sys.executable, "-m", "opsd.cli", "train", "--recipe", "fast-offpolicy", "--model", str(tiny_ckpt),
            "--data", str(toy_data_file), "--run-dir", str(run), "--steps", "5", "--batch-size", "4", "--quiet",
-           "--set", "max_completion_length=8", "log_positions=0", "decoder_kernels=none", "micro_batch_size=2"]
+           "--set", "sampling.max_tokens=8", "log_positions=0", "decoder_kernels=none", "micro_batch_size=2"]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     cfg = json.loads((run / "config.json").read_text())
     assert (cfg["padding"], cfg["steps_per_rollout"], cfg["async_rollout"], cfg["loss_kernel"]) == ("packed", 4, True, "auto")

@@ -24,7 +24,7 @@ REL, ABS = 1e-9, 1e-12
 # the released recipe's choices (entry clip, right-padded teacher prompts, global normalisation, fixed teacher,
 # T 1.1 for sampling and loss, top_p 0.95, top_k 20) at toy scale; tau is small because the random tiny checkpoint
 # is nearly uniform (per-entry terms ~1e-5), so that the clip acts on a share of the entries.
-CONFIG = dict(steps=3, batch_size=4, micro_batch_size=2, max_completion_length=8, dtype="float64", rollout="hf",
+CONFIG = dict(steps=3, batch_size=4, micro_batch_size=2, sampling=dict(max_tokens=8), dtype="float64", rollout="hf",
               lr=1e-2, tau=2e-5, seed=3, log_positions=0, save_every=100)
 
 

@@ -43,7 +43,7 @@ def test_diverging_run_stops_before_saving(tiny_ckpt, toy_problems, tmp_path):
     from NaN probabilities: a traceback in torch.multinomial). Break that made it fail: `_loop` without the
     `divergence` check (the run went on to a generation traceback at step 2)."""
     cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "r"), steps=3, save_every=1, batch_size=2,
-                         micro_batch_size=2, max_completion_length=4, log_positions=0, padding="aligned", lr=1e30,
+                         micro_batch_size=2, sampling=dict(max_tokens=4), log_positions=0, padding="aligned", lr=1e30,
                          max_grad_norm=0.0, scheduler="constant")
     with pytest.raises(RuntimeError, match=r"diverged at step 1: an adapter weight reached .* after the update \(limit "
                                            r"1e\+06\); stopped before saving that step \(no checkpoint was written\)"):
@@ -89,7 +89,7 @@ def test_smollm2_grades_held_out_rows_under_the_setting_it_names(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, out, err = opsd_main("train", "--model", "smollm2", "--data", data, "--run-dir", run, "--steps", "1",
                                "--save-every", "1", "--quiet", "--set", "batch_size=2", "micro_batch_size=2",
-                               "max_completion_length=4", "lora_r=2", "log_positions=0")
+                               "sampling.max_tokens=4", "lora.r=2", "log_positions=0")
     assert code == 0, err[-2000:]
     rec = json.loads((run / "data.json").read_text())
     assert (rec["rows"], rec["train_rows"], len(rec["heldout_ids"]), rec["grade"]) == (20, 18, 2, "math")
@@ -130,7 +130,7 @@ def test_read_only_checkpoints_folder_is_refused_before_training(tiny_ckpt, toy_
     from pathlib import Path
     from opsd.cli import error_line, is_user_error
     cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "r"), steps=1, save_every=1, batch_size=2,
-                         micro_batch_size=2, max_completion_length=4, log_positions=0, padding="aligned")
+                         micro_batch_size=2, sampling=dict(max_tokens=4), log_positions=0, padding="aligned")
     (tmp_path / "r" / "checkpoints").mkdir(parents=True)
     real = Path.write_bytes
     def write_bytes(self, data):

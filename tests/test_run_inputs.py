@@ -15,7 +15,7 @@ from opsd.train import OPSDConfig, OPSDTrainer
 
 def tiny_cfg(ckpt, run_dir, **kw) -> OPSDConfig:
     base = dict(model=str(ckpt), run_dir=str(run_dir), steps=2, save_every=1, batch_size=4, micro_batch_size=4,
-                max_completion_length=6, log_positions=0, padding="aligned")
+                sampling=dict(max_tokens=6), log_positions=0, padding="aligned")
     return OPSDConfig.toy(**{**base, **kw})
 
 
@@ -125,7 +125,7 @@ def test_another_config_is_refused_and_fresh_clears_everything(tiny_ckpt, toy_pr
     rd = RunDir(cfg.run_dir)
     rd.append_eval([dict(step=2, seed=0, split="test", correct=1.0)])
     before = snapshot(rd.path)
-    for change, listed in [(dict(lora_r=4), "lora_r: 8 -> 4"),
+    for change, listed in [(dict(lora=dict(r=4)), "lora.r: 8 -> 4"),
                            (dict(clip="scaled", lr=3e-3), "clip: 'entry' -> 'scaled'; lr: 0.001 -> 0.003"),
                            (dict(steps=3), "steps: 2 -> 3"),                   # the linear schedule depends on it
                            (dict(name="other"), "name: None -> 'other'")]:

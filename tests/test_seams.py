@@ -32,7 +32,7 @@ CUTS = (3, 10, 6, 1, 8, 2, 10, 5)  # per-row completion lengths (the random samp
 def make_trainer(ckpt, problems, run_dir, **kw) -> OPSDTrainer:
     "A float64 CPU trainer on the toy preset with a small batch."
     base = dict(model=str(ckpt), run_dir=str(run_dir), steps=4, batch_size=4, micro_batch_size=4,
-                max_completion_length=10, log_positions=0, dtype="float64", save_every=100, padding="aligned")
+                sampling=dict(max_tokens=10), log_positions=0, dtype="float64", save_every=100, padding="aligned")
     return OPSDTrainer(OPSDConfig.toy(**{**base, **kw}), problems, progress=False)
 
 
@@ -84,7 +84,7 @@ def base_model(ckpt):
 
 def peft_with(ckpt, cfg: OPSDConfig, weights: dict):
     "A fresh peft model of the checkpoint whose adapter weights are `weights` (by parameter name)."
-    lc = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=list(cfg.lora_targets),
+    lc = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules=list(cfg.lora.targets),
                     bias="none", task_type="CAUSAL_LM")
     m = get_peft_model(base_model(ckpt), lc)
     params = dict(m.named_parameters())
@@ -147,7 +147,8 @@ def test_teacher_mode_equals_hand_built_teacher(sharp_ckpt, toy_problems, tmp_pa
     weights in; the first update not copying the student; fixed mode not disabling the adapters; `forward_loss`
     scoring the teacher inputs with the live student instead of through `self.teacher`."""
     decay = 0.5
-    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "r", teacher=mode, ema_start=start, ema_decay=decay, lr=0.02,
+    tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "r", teacher=mode, ema=dict(start=start, decay=decay),
+                      lr=0.02,
                       scheduler="constant", max_grad_norm=0.0)
     snap = lambda: {n: p.detach().clone() for n, p in lora(tr.unwrapped).items()}
     recorded = [snap()]                                   # the initial adapters (B = 0)
@@ -309,7 +310,8 @@ def test_resume_equals_uninterrupted_run(sharp_ckpt, toy_problems, tmp_path):
     from torch's generator in every training forward, and the EMA teacher and the linear schedule carry state.
     Breaks that made it fail: `load_checkpoint` not restoring the RNG state (`_set_rng_state` skipped); not
     restoring the EMA teacher's state."""
-    kw = dict(steps=4, save_every=2, teacher="ema", ema_decay=0.5, lora_dropout=0.1, micro_batch_size=2, lr=0.01)
+    kw = dict(steps=4, save_every=2, teacher="ema", lora=dict(dropout=0.1), ema=dict(decay=0.5), micro_batch_size=2,
+              lr=0.01)
 
     def run(name, stop_after=None):
         tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / name, **kw)

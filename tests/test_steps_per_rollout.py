@@ -143,14 +143,14 @@ def test_steps_per_rollout_with_vllm(tmp_path):
 
 
 def test_resumed_inside_a_group_the_engine_sleeps_through_training(sharp_ckpt, toy_problems, tmp_path):
-    """With `vllm_sleep` (the release's: the engine frees its GPU memory while training runs), a run resumed inside a
+    """With `vllm.sleep` (the release's: the engine frees its GPU memory while training runs), a run resumed inside a
     group samples the group again and syncs the current weights, both of which wake the engine; the next steps only
     train, so the engine must be put back to sleep before them. Break that made it fail: the `sleep` line at the end
     of `resume` dropped (the last engine event is the sync)."""
     kw = dict(steps=4, save_every=1, steps_per_rollout=3, micro_batch_size=2)
     make_trainer(sharp_ckpt, toy_problems, tmp_path / "run", **kw).fit(stop_after=1)
     tr = make_trainer(sharp_ckpt, toy_problems, tmp_path / "run", **kw)
-    assert tr.cfg.vllm_sleep
+    assert tr.cfg.vllm.sleep
     events, ro = [], tr.rollout
     for name in ("sleep", "sync_weights", "generate"):
         f = getattr(ro, name)

@@ -50,7 +50,7 @@ def test_cli_train_on_the_toy(ctx, tiny_ckpt, toy_data_file, tmp_path):
         rd = tmp_path / c
         code, out, err = opsd_main("train", "--model", str(tiny_ckpt), "--data", str(toy_data_file), "--run-dir",
                                    str(rd), "--steps", "1", "--batch-size", "2", "--micro-batch-size", "2",
-                                   "--set", f"teacher_context={c}", "max_completion_length=8", "--quiet")
+                                   "--set", f"teacher_context={c}", "sampling.max_tokens=8", "--quiet")
         assert code == 0, err[-2000:]
         assert json.loads((rd / "config.json").read_text())["teacher_context"] == c
         kl[c] = pl.read_ndjson(rd / "metrics.jsonl")["kl/true"][0]

@@ -27,7 +27,7 @@ def train_cmd(ckpt, run_dir, steps=6, extra=()):
     return [venv_bin("opsd"), "train", "--preset", "toy", "--model", str(ckpt), "--data", DATA["path"],
             "--run-dir", str(run_dir), "--steps", str(steps), "--save-every", "2", "--batch-size", "8",
             "--micro-batch-size", "4", "--quiet", "--padding", "aligned",
-            "--set", "max_completion_length=12", "log_positions=0", "dtype=float64", *extra]
+            "--set", "sampling.max_tokens=12", "log_positions=0", "dtype=float64", *extra]
 
 
 def rows(run_dir):
@@ -106,7 +106,7 @@ def test_gradient_accumulation_is_exact(tiny_ckpt, toy_problems, tmp_path):
         # float64 weights and loss: the two accumulation orders then agree to ~1e-15, so a tight tolerance only fails
         # when the normalisation is wrong (in float32 the summation order alone moved the loss by ~1e-7 relative)
         cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / f"mb{mb}"), steps=1, batch_size=8,
-                             micro_batch_size=mb, max_completion_length=12, padding="aligned", log_positions=0,
+                             micro_batch_size=mb, sampling=dict(max_tokens=12), padding="aligned", log_positions=0,
                              dtype="float64")
         tr = OPSDTrainer(cfg, toy_problems, progress=False)
         tr.optimizer.step = lambda *a, **k: None  # keep the weights; read the gradient
@@ -130,7 +130,7 @@ def test_length_grouping_same_step(sharp_ckpt, toy_problems, tmp_path):
     out = {}
     for grouping in (False, True):
         cfg = OPSDConfig.toy(model=str(sharp_ckpt), run_dir=str(tmp_path / f"g{grouping}"), steps=1, batch_size=8,
-                             micro_batch_size=4, max_completion_length=12, padding="aligned", log_positions=0,
+                             micro_batch_size=4, sampling=dict(max_tokens=12), padding="aligned", log_positions=0,
                              dtype="float64", length_grouping=grouping)
         tr = OPSDTrainer(cfg, toy_problems, progress=False)
         seen, bat = [], tr.batches
@@ -151,7 +151,7 @@ def test_length_grouping_same_step(sharp_ckpt, toy_problems, tmp_path):
 @pytest.mark.parametrize("clip", ["entry", "scaled"])
 def test_teacher_modes_and_clips_run(tiny_ckpt, toy_problems, tmp_path, teacher, clip):
     cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "r"), steps=2, batch_size=4, micro_batch_size=2,
-                         save_every=1, max_completion_length=8, teacher=teacher, clip=clip, log_positions=8)
+                         save_every=1, sampling=dict(max_tokens=8), teacher=teacher, clip=clip, log_positions=8)
     OPSDTrainer(cfg, toy_problems, progress=False).fit()
     m = read_metrics(cfg.run_dir)
     assert m["step"].to_list() == [1, 2] and m["kl/true"].is_finite().all()
@@ -178,7 +178,8 @@ def test_shared_rollout_gets_each_trainers_weights(tiny_ckpt, toy_problems, tmp_
     """One engine shared by two trainers holds, after each construction, that trainer's merged student.
     Break checked: without the sync at construction the engine still holds trainer A's trained student: this fails."""
     from opsd.rollout import merged_state_dict
-    kw = dict(model=str(tiny_ckpt), steps=1, batch_size=4, micro_batch_size=4, max_completion_length=6, log_positions=0,
+    kw = dict(model=str(tiny_ckpt), steps=1, batch_size=4, micro_batch_size=4, sampling=dict(max_tokens=6),
+              log_positions=0,
               padding="aligned")
     a = OPSDTrainer(OPSDConfig.toy(run_dir=str(tmp_path / "a"), lr=1e-2, **kw), toy_problems, progress=False)
     a.step(1)                                               # A's student moves away from the base
@@ -199,7 +200,7 @@ def test_load_model_with_a_trained_checkpoint(tiny_ckpt, toy_problems, tmp_path)
     Break checked: a loader that ignores `adapter` returns the base model and the first comparison fails."""
     from opsd.runs import load_model, latest_checkpoint, list_checkpoints
     cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "r"), steps=1, batch_size=4, micro_batch_size=4,
-                         max_completion_length=6, log_positions=0, lr=1e-2, padding="aligned")
+                         sampling=dict(max_tokens=6), log_positions=0, lr=1e-2, padding="aligned")
     tr = OPSDTrainer(cfg, toy_problems, progress=False)
     tr.fit()
     ck = latest_checkpoint(cfg.run_dir)
@@ -216,18 +217,18 @@ def test_load_model_with_a_trained_checkpoint(tiny_ckpt, toy_problems, tmp_path)
 
 
 def test_fp8_rollout_needs_vllm_and_its_own_engine(tiny_ckpt, toy_problems, tmp_path):
-    """`rollout_quantization` / `rollout_kv_cache` are vLLM engine settings: with the HF rollout the trainer refuses
+    """`vllm.quantization` / `vllm.kv_cache` are vLLM engine settings: with the HF rollout the trainer refuses
     them, naming the fields, and a shared engine with other settings is refused rather than silently used (the bench
     keeps one engine per setting)."""
     from opsd.train import engine_settings, rollout_engine_kw
-    with pytest.raises(ValueError, match="rollout_quantization='int8'"):
-        OPSDConfig.toy(rollout_quantization="int8")
-    cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "a"), rollout="hf", rollout_quantization="fp8",
-                         rollout_kv_cache="fp8")
+    with pytest.raises(ValueError, match="vllm.quantization='int8'"):
+        OPSDConfig.toy(vllm=dict(quantization="int8"))
+    cfg = OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "a"), rollout="hf",
+                         vllm=dict(quantization="fp8", kv_cache="fp8"))
     assert rollout_engine_kw(cfg) == dict(quantization="fp8", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="are vLLM's; the rollout here is 'hf'"):
         OPSDTrainer(cfg, toy_problems, progress=False)
-    plain = OPSDTrainer(cfg.replace(rollout_quantization=None, rollout_kv_cache="auto"), toy_problems, progress=False)
+    plain = OPSDTrainer(cfg.replace(vllm=dict(quantization=None, kv_cache="auto")), toy_problems, progress=False)
     assert engine_settings(plain.rollout) == (None, "auto") and rollout_engine_kw(plain.cfg) == {}
     with pytest.raises(ValueError, match="give it an engine with its own settings"):
         OPSDTrainer(cfg.replace(run_dir=str(tmp_path / "b")), toy_problems, progress=False, rollout=plain.rollout)

@@ -37,7 +37,7 @@ def test_toy_world_preset_is_the_toy_preset():
     "Break: the world starting from OPSDConfig() instead of OPSDConfig.toy() -> lora_r, dtype, rollout differ."
     cfg = resolve_world("toy:copy").config(steps=3, clip="scaled")
     assert cfg.to_dict() == OPSDConfig.toy(model="toy:copy", steps=3, clip="scaled").to_dict()
-    assert (cfg.lora_r, cfg.dtype, cfg.rollout) == (8, "float32", "hf")
+    assert (cfg.lora.r, cfg.dtype, cfg.rollout) == (8, "float32", "hf")
 
 
 def test_toy_world_path_builds_the_base(tmp_path, monkeypatch):
@@ -146,7 +146,7 @@ def test_toy_eval_budget_fits_the_toy_context():
     from opsd.toy import toy_model, toy_tokenizer
     w, tok = resolve_world("toy"), toy_tokenizer()
     budget = w.eval["max_new_tokens"]
-    assert budget == OPSDConfig.toy().max_completion_length  # the training budget of the toy preset
+    assert budget == OPSDConfig.toy().sampling.max_tokens  # the training budget of the toy preset
     context = model_context(toy_model(toy_config("soft", **SMALL_TOY), tok))  # the positions opsd.toy builds with
     ids = eval_prompt_ids(tok, w.problems(w.eval["n"], seed=10_000, split="test"), None, w.prompt_config())
     check_context(ids, budget, context, "toy held-out set")

@@ -86,7 +86,7 @@ w = resolve_world("smollm2")
 recipe = DemoRecipe(k=1)   # the demo's own evaluation (the world's: greedy); the one below at steps 0 and `last` is the measure
 if smoke:
     recipe = DemoRecipe(k=1, n_eval=4, config=dict(steps=4, batch_size=4, micro_batch_size=4,
-                                                   max_completion_length=16, save_every=4, rollout="hf"))
+                                                   sampling=dict(max_tokens=16), save_every=4, rollout="hf"))
 n_test, last, new_tokens = (4, 4, 16) if smoke else (100, 50, 128)
 if hf and not smoke: recipe = recipe.with_config(rollout="hf")
 if steps is not None:   # the last checkpoint is the measure; every arm of the study gets the same length
