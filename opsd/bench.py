@@ -106,9 +106,8 @@ def rollout_table(rows: list[dict]) -> str:
                                ("error", "error", "")])
 
 # %% ../nbs/12_bench.ipynb #3c29a0e8
-E2E_COMMON = dict(clip="entry", tau=0.05, batch_size=32, lora=dict(r=64, alpha=128), sampling=dict(max_tokens=1024),
-                  steps=10_000,
-                  save_every=10_000_000, log_positions=0, teacher="fixed", dtype="bfloat16")
+E2E_COMMON = dict(clip="entry", tau=0.05, batch_size=32, sampling=dict(max_tokens=1024), steps=10_000,
+                  save_every=10_000_000, log_positions=0, teacher="fixed", lora=dict(r=64, alpha=128), dtype="bfloat16")
 E2E_DEFAULT = ("released", "fast", "fast-offpolicy")   # the recipes (configs/recipes)
 FP8_ROLLOUT = dict(vllm=dict(quantization="fp8", kv_cache="fp8"))   # a departure: sampling from an fp8 student
 
@@ -117,19 +116,21 @@ def e2e_variants() -> dict:
     compiled layers, without packing (aligned padding), with an fp8 rollout (a departure; its own vLLM engine, so its
     own process), and `fast-offpolicy` without the overlap (its shared rollout alone)."""
     from opsd.recipes import RECIPES, load_recipe
+    from opsd.config import merge_config
     v = {name: load_recipe(name) for name in RECIPES}
     v["fast without compile"] = dict(v["fast"], decoder_kernels="none")
     v["fast without packing"] = dict(v["fast"], padding="aligned")
-    v["fast + fp8 rollout"] = dict(v["fast"], **FP8_ROLLOUT)
+    v["fast + fp8 rollout"] = merge_config(v["fast"], FP8_ROLLOUT)
     v["fast-offpolicy without overlap"] = dict(v["fast-offpolicy"], async_rollout=False)
     return v
 
 def engine_groups(variants: dict, common: dict | None = None) -> dict:
     "Variant names by the rollout engine they need (`engine_settings` of each variant's config)."
     from opsd.train import OPSDConfig, engine_settings
+    from opsd.config import merge_config
     out = {}
     for name, over in variants.items():
-        out.setdefault(engine_settings(OPSDConfig(**{**E2E_COMMON, **(common or {}), **over})), []).append(name)
+        out.setdefault(engine_settings(OPSDConfig(**merge_config(E2E_COMMON, common, over))), []).append(name)
     return out
 
 def check_one_engine(variants: dict, rollout: str = "auto", common: dict | None = None):
@@ -174,6 +175,7 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
     warm-up and timed steps are rounded up to whole groups and every number is a group's mean per step."""
     import gc, tempfile, traceback
     from opsd.train import OPSDConfig, OPSDTrainer, engine_settings
+    from opsd.config import merge_config, upgrade_config
     if variants is None: variants = {n: e2e_variants()[n] for n in E2E_DEFAULT}
     check_one_engine(variants, rollout, common)   # before any model loads
     problems = problems or bench_problems(64)
@@ -184,12 +186,13 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
     if bracket and len(todo) > 1: todo.append((f"{todo[0][0]} (again)", todo[0][1], todo[0][0]))
     for name, over, again_of in todo:
         slug = "".join(c if c.isalnum() else "-" for c in name)
-        row = dict(variant=name, **over, steps=steps, warmup=warmup, cut=cut, **({"again_of": again_of} if again_of else {}))
+        row = dict(variant=name, **upgrade_config(over, flat=True),   # nested fields dotted: vllm.quantization
+                   steps=steps, warmup=warmup, cut=cut, **({"again_of": again_of} if again_of else {}))
         tr = None
         try:
-            cfg = OPSDConfig(**{**E2E_COMMON, **(common or {}), **over, "model": str(model_dir), "seed": 0,
-                                "run_dir": str(run_root / slug), "name": slug, "rollout": rollout,
-                                "vllm": {"memory": vllm_memory}})
+            cfg = OPSDConfig(**merge_config(E2E_COMMON, common, over, dict(
+                model=str(model_dir), seed=0, run_dir=str(run_root / slug), name=slug, rollout=rollout,
+                vllm=dict(memory=vllm_memory))))
             key = engine_settings(cfg)
             for k, e in engines.items():             # HF engines of other settings (vLLM: refused above) set aside
                 if k != key: e.sleep()

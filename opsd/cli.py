@@ -13,8 +13,8 @@ from .repro import pin_numerics
 from .loss import CLIP_MODES
 from .train import OPSDConfig, OPSDTrainer, read_yaml
 from .runs import load_model
-from .config import TEACHER_MODES, SCHEDULERS, ROLLOUTS, OBJECTIVES, NORMALIZE, EMA_STARTS, DTYPES, LAYOUTS, LOSS_KERNELS
-from .config import upgrade_config, field_help
+from .config import TEACHER_MODES, SCHEDULERS, ROLLOUTS, OBJECTIVES, NORMALIZE, DTYPES, LAYOUTS, LOSS_KERNELS
+from .config import merge_config, field_help
 from .kernels import DECODER_KERNELS
 from .recipes import RECIPES, load_recipe
 from .runs import read_metrics, read_config
@@ -26,13 +26,14 @@ from .demo import parse_set
 
 # %% auto #0
 __all__ = ['CONFIG_CHOICES', 'TRAIN_FLAGS', 'PRESETS', 'USER_ERRORS', 'DISK_FULL', 'MAX_ERROR_CHARS', 'POSITIVE',
-           'add_config_flags', 'read_config_file', 'parse_set_items', 'config_from_args', 'cmd_train', 'eval_source',
-           'cmd_eval', 'cmd_report', 'cmd_padding', 'parser', 'is_user_error', 'error_line', 'main']
+           'add_config_flags', 'read_config_file', 'parse_set_items', 'nested_fields_help', 'config_from_args',
+           'cmd_train', 'eval_source', 'cmd_eval', 'cmd_report', 'cmd_padding', 'parser', 'is_user_error', 'error_line',
+           'main']
 
 # %% ../nbs/11_cli.ipynb #c4fbac5c
 # the allowed values of config fields: the config's own constants, not a second list
 CONFIG_CHOICES = dict(clip=CLIP_MODES, teacher=TEACHER_MODES, padding=LAYOUTS, scheduler=SCHEDULERS, rollout=ROLLOUTS,
-                      objective=OBJECTIVES, normalize=NORMALIZE, ema=dict(start=EMA_STARTS), dtype=DTYPES,
+                      objective=OBJECTIVES, normalize=NORMALIZE, dtype=DTYPES,
                       loss_kernel=LOSS_KERNELS, decoder_kernels=DECODER_KERNELS)
 # the OPSDConfig fields that `opsd train` takes as flags (any other field: --set KEY=VALUE)
 TRAIN_FLAGS = ("model", "data", "run_dir", "clip", "tau", "beta", "temperature", "teacher", "padding", "steps", "lr",
@@ -82,10 +83,16 @@ def parse_set_items(items) -> dict:
         except ValueError as e: raise ValueError(str(e) if "--set" in str(e) else f"--set {it!r}: {e}") from None
     return out
 
+def nested_fields_help() -> str:
+    "The `opsd train --help` epilog: every nested config field (set with `--set lora.r=16`) and its help."
+    return "nested config fields (--set GROUP.FIELD=VALUE):\n" + "\n".join(
+        f"  {k:21} {v}" for k, v in field_help().items() if "." in k)
+
 def config_from_args(a) -> OPSDConfig:
     "The resolved config of `opsd train` arguments: preset, then the recipe, then the YAML file, then flags and --set."
     over = {k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k, None) is not None}
-    over.update(upgrade_config(parse_set_items(getattr(a, "set", None))))   # older field names read as today's
+    over = merge_config(over, parse_set_items(getattr(a, "set", None)))   # lora.r=8 nested; older flat names (lora_r)
+    #                                                                         read as today's
     unknown = sorted(set(over) - {f.name for f in dataclasses.fields(OPSDConfig)})
     if unknown: raise ValueError(f"command line: unknown config field(s) {unknown}")
     path = getattr(a, "config", None)
@@ -97,9 +104,9 @@ def config_from_args(a) -> OPSDConfig:
     elif preset == "toy": base = OPSDConfig.toy(model=model)
     else: base = resolve_world(model, data=over.get("data") or file.get("data")).config()
     if getattr(a, "recipe", None):   # how a step is computed (opsd.recipes), over the world's hyperparameters
-        base = OPSDConfig.from_dict({**base.to_dict(), **load_recipe(a.recipe)}, source=f"recipe {a.recipe}")
+        base = OPSDConfig.from_dict(merge_config(base.to_dict(), load_recipe(a.recipe)), source=f"recipe {a.recipe}")
     if path: return OPSDConfig.from_yaml(path, base=base, **over)
-    return OPSDConfig.from_dict({**base.to_dict(), **over}, source="command line")
+    return OPSDConfig.from_dict(merge_config(base.to_dict(), over), source="command line")
 
 def cmd_train(a) -> Path:
     "`opsd train`: one run of the resolved config on its world's problems."
@@ -253,14 +260,16 @@ def parser() -> argparse.ArgumentParser:
                                      "or --model smollm2), held-out accuracy with intervals, report"))
     d.set_defaults(fn=cmd_demo)
     _demo_token_views(d)
-    t = sub.add_parser("train", help="one OPSD run (resumes from its latest checkpoint)")
+    t = sub.add_parser("train", help="one OPSD run (resumes from its latest checkpoint)", epilog=nested_fields_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--recipe", metavar="NAME|FILE", help=f"how a step is computed: {', '.join(RECIPES)} "
                    "(configs/recipes/) or a recipe YAML file; laid over the preset, under --config and --set")
     t.add_argument("--config", help="YAML file of OPSDConfig fields")
     t.add_argument("--preset", choices=PRESETS, default="world",
                    help="starting config: the --model world's preset (default), the released recipe, or the toy's")
     add_config_flags(t)
-    t.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="override any config field (YAML values)")
+    t.add_argument("--set", nargs="*", metavar="KEY=VALUE",
+                   help="override any config field (YAML values); a nested one dotted: lora.r=16 (listed below)")
     t.add_argument("--fresh", action="store_true", help="start over instead of resuming (removes only what opsd wrote)")
     t.add_argument("--allow-data-change", dest="allow_data_change", action="store_true",
                    help="resume although the data file's content differs from what the run recorded")

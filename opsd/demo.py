@@ -36,12 +36,15 @@ class DemoRecipe:
 
     def __post_init__(self):
         from opsd.train import OPSDConfig
+        from opsd.config import upgrade_config
+        self.config = upgrade_config(self.config)   # nested fields as mappings (`lora=dict(r=8)`, `lora.r`)
         unknown = sorted(set(self.config) - {f.name for f in dataclasses.fields(OPSDConfig)})
         if unknown: raise ValueError(f"DemoRecipe: unknown config field(s) {unknown}")
 
     def with_config(self, **kw) -> "DemoRecipe":
-        "A copy with more config overrides."
-        return dataclasses.replace(self, config={**self.config, **kw})
+        "A copy with more config overrides (a nested field's mapping merged into the recipe's)."
+        from opsd.config import merge_config
+        return dataclasses.replace(self, config=merge_config(self.config, kw))
 
 def _eval_settings(recipe:DemoRecipe, world)->dict:
     base = _TOY_EVAL if world.kind == "toy" else world.eval
@@ -85,14 +88,15 @@ def _toy_base(teacher:str, toy:dict|None=None, progress:bool=False)->Path:
 def job_config(job:dict):
     "The `OPSDConfig` of a job: the world's preset, the demo's overrides (toy: `DEMO_TOY`), the recipe, the job's."
     from opsd.train import OPSDConfig
+    from opsd.config import merge_config
     cfg = dict(job["recipe"]["config"])
     run = dict(run_dir=job["run_dir"], name=job["name"], clip=job["clip"], seed=job["seed"])
     if "world" in job:
         from opsd.worlds import resolve_world
-        return resolve_world(job["world"], data=job.get("data")).config(**{**cfg, **run, **job["overrides"]})
-    kw = {**DEMO_TOY, **cfg}
+        return resolve_world(job["world"], data=job.get("data")).config(**merge_config(cfg, run, job["overrides"]))
+    kw = merge_config(DEMO_TOY, cfg)
     kw.setdefault("micro_batch_size", kw.get("batch_size", OPSDConfig.toy().batch_size))  # one micro-batch per step
-    return OPSDConfig.toy(**{**kw, "model": f"toy:{job['teacher']}", **run, **job["overrides"]})
+    return OPSDConfig.toy(**merge_config(kw, dict(model=f"toy:{job['teacher']}"), run, job["overrides"]))
 
 def run_job(job:dict, # from `demo_jobs`
             threads:int=1, # torch threads of this process
@@ -303,11 +307,12 @@ def run_world_jobs(jobs:list[dict], # from `demo_jobs(world=...)` (one world)
 def _cell_cols(run_dir:Path)->dict:
     from opsd.runs import read_config
     from opsd.worlds import resolve_world
-    c = read_config(run_dir)
+    from opsd.config import upgrade_config
+    c = upgrade_config(read_config(run_dir), flat=True)   # any opsd version's config.json: nested fields dotted
     teacher = resolve_world(str(c.get("model") or run_dir.name)).label  # toy:soft -> soft, smollm2, a path's last part
     return dict(run=c.get("name") or run_dir.name, teacher=teacher, clip=c["clip"], seed=int(c["seed"]),
                 scheduler=c.get("scheduler"), lr_peak=c.get("lr"), max_grad_norm=c.get("max_grad_norm"),
-                lora_r=c.get("lora_r"))
+                lora_r=c.get("lora.r"))
 
 def demo_frames(out:str|Path="runs/demo")->tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     "(metrics, eval rows, positions) of every run folder under `out`, with teacher/clip/seed columns."
@@ -585,12 +590,13 @@ def add_demo_args(d):
 def cmd_demo(a):
     "`opsd demo` from parsed arguments."
     from opsd.worlds import resolve_world
+    from opsd.config import upgrade_config, merge_config
     w = resolve_world(a.model, data=a.data)
     cfg = {"lr": a.lr} if a.lr is not None else {}
     steps = a.steps if a.steps is not None else (DEMO_STEPS if w.kind == "toy" else None)
     if steps is not None: cfg.update(steps=steps, save_every=max(steps // 4, 1))
     recipe = DemoRecipe(cfg, n_eval=a.n_eval, k=a.k)
-    over = parse_set(a.set)
+    over = upgrade_config(parse_set(a.set))   # lora.r=8 nested; older flat names (lora_r) read as today's
     toy, teachers = None, list(a.teachers)
     if w.kind == "toy" and a.data: raise ValueError("--data: the toy demo uses the toy world's own problems")
     if w.kind == "toy" and a.model != "toy": teachers = [w.preset]  # --model toy:copy
@@ -598,7 +604,7 @@ def cmd_demo(a):
         if w.kind != "toy": raise ValueError("--quick is a pipeline check on a reduced toy: use it without --model")
         recipe = DemoRecipe({**cfg, "steps": min(steps, 4), "save_every": 2, "batch_size": 8, "log_positions": 8},
                             n_eval=min(a.n_eval or _TOY_EVAL["n"], 32), k=1)
-        toy, over = QUICK_TOY, dict(sampling=dict(max_tokens=24), **over)
+        toy, over = QUICK_TOY, merge_config(dict(sampling=dict(max_tokens=24)), over)
     if a.study is not None and w.kind != "toy": raise ValueError("--study runs on the toy world only")
     if a.study == "schedules":
         return study_schedules(a.out or "runs/schedules", teacher=teachers[0], seeds=max(a.seeds, 2), recipe=recipe,

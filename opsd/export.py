@@ -10,6 +10,7 @@ from pathlib import Path
 import polars as pl
 
 from .runs import RunDir, read_run, list_checkpoints, load_model
+from .config import upgrade_config
 
 # %% auto #0
 __all__ = ['CARD_INSTRUMENTS', 'CARD_RECIPE', 'run_base', 'eval_intervals', 'model_card', 'export_run', 'add_export_args',
@@ -38,8 +39,9 @@ CARD_INSTRUMENTS = (("loss", "loss"), ("kl/true", "true KL per position (nats)")
                     ("entry/argmax_clipped_frac", "teacher argmax entry-clipped (share of positions)"),
                     ("entry/clipped_teacher_mass", "teacher mass on clipped entries"),
                     ("entry/neg_loss_frac", "positions with negative entry loss"), ("sampled_acc", "sampled accuracy"))
-CARD_RECIPE = ("objective", "beta", "temperature", "clip", "tau", "teacher", "lora_r", "lora_alpha", "lr", "batch_size",
-               "steps", "max_completion_length", "sample_temperature", "top_p", "sample_top_k", "padding", "seed")
+CARD_RECIPE = ("objective", "beta", "temperature", "clip", "tau", "teacher", "lora.r", "lora.alpha", "lr", "batch_size",
+               "steps", "sampling.max_tokens", "sampling.temperature", "sampling.top_p", "sampling.top_k", "padding",
+               "seed")   # nested fields dotted (`opsd.config.upgrade_config(..., flat=True)`)
 
 def eval_intervals(eval_rows: pl.DataFrame, # a run's eval.jsonl rows (`read_run(...).eval`)
                   ) -> pl.DataFrame: # per step: accuracy, 95% interval, problems, samples per problem, seeds
@@ -95,7 +97,8 @@ def model_card(run_dir, # the run folder
              f"* exported from run folder `{rd.path.name}`, checkpoint `step-{step}` of {c.get('steps')} steps", "",
              "## Recipe", "", f"Clip mode **{c.get('clip')}** at tau = {c.get('tau')}; teacher **{c.get('teacher')}**.",
              "", "| field | value |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(c.get(k))} |" for k in CARD_RECIPE if k in c]
+    flat = upgrade_config(c, flat=True)   # any opsd version's config.json
+    lines += [f"| {k} | {_fmt(flat.get(k))} |" for k in CARD_RECIPE if k in flat]
     lines += ["", "## Instruments at the end of training", ""]
     if m.height:
         first, last = m.row(0, named=True), m.filter(pl.col("step") <= step).row(-1, named=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 import opsd
-from .config import OPSDConfig, read_yaml
+from .config import OPSDConfig, GROUPS, read_yaml, upgrade_config, merge_config
 
 # %% auto #0
 __all__ = ['RECIPES_DIR', 'RECIPES', 'STEP_FIELDS', 'recipe_path', 'read_recipe', 'load_recipe', 'recipe_config', 'equal_config']
@@ -15,12 +15,15 @@ __all__ = ['RECIPES_DIR', 'RECIPES', 'STEP_FIELDS', 'recipe_path', 'read_recipe'
 # %% ../nbs/06c_recipes.ipynb #rc000006
 RECIPES_DIR = Path(opsd.__file__).resolve().parent.parent / "configs" / "recipes"   # in the repository, beside opsd/
 RECIPES = ("released", "fast", "fast-offpolicy")
-# the fields a recipe may set: how a step is computed (the rest is the run's: the world's or the preset's)
+# the fields a recipe may set: how a step is computed (the rest is the run's: the world's or the preset's); nested
+# fields by their dotted names (a recipe writes them as blocks: `vllm: {sleep: true}`)
 STEP_FIELDS = ("objective", "beta", "temperature", "clip", "tau", "top_k", "normalize", "mask_pad_completion",
-               "teacher", "ema_decay", "ema_start", "teacher_context", "padding", "length_grouping", "micro_batch_size",
+               "teacher", "ema.decay", "ema.start", "teacher_context", "padding", "length_grouping", "micro_batch_size",
                "loss_kernel",
-               "loss_chunk", "decoder_kernels", "fused_lora", "bf16_adapters", "checkpointing", "rollout_quantization",
-               "rollout_kv_cache", "vllm_sleep", "replicate_rollout", "steps_per_rollout", "async_rollout")
+               "loss_chunk", "decoder_kernels", "fused_lora", "bf16_adapters", "checkpointing", "vllm.quantization",
+               "vllm.kv_cache", "vllm.sleep", "replicate_rollout", "steps_per_rollout", "async_rollout")
+_KNOWN = {f.name for f in dataclasses.fields(OPSDConfig)} | {f"{g}.{f.name}" for g, c in GROUPS.items()
+                                                             for f in dataclasses.fields(c)}
 
 def recipe_path(name: str) -> Path:
     "The YAML file of a recipe: a name of `RECIPES`, or a path to a YAML file."
@@ -32,39 +35,40 @@ def recipe_path(name: str) -> Path:
     raise ValueError(f"recipe {name!r}: not one of {RECIPES} and not a .yaml file")
 
 def read_recipe(name_or_path: str) -> tuple[dict, dict | None]:
-    """A recipe's config fields and its `equals` declaration (None when it has none), checked: every key a step field
-    with a valid value, `equals` naming a recipe and step fields. A bad one is a one-line error naming file and field."""
+    """A recipe's config fields (nested fields as mappings) and its `equals` declaration (None when it has none),
+    checked: every key a step field with a valid value, `equals` naming a recipe and step fields. A bad one is a
+    one-line error naming file and field (a nested one dotted: `vllm.sleep`)."""
     path = recipe_path(name_or_path)
     d = read_yaml(path)
     if not isinstance(d, dict): raise ValueError(f"{path}: expected a mapping of config fields, got {type(d).__name__}")
     eq = d.pop("equals", None)
-    for k in d:
+    for k in upgrade_config(d, flat=True):
         if k not in STEP_FIELDS:
-            known = k in {f.name for f in dataclasses.fields(OPSDConfig)}
-            why = "a run's field, not a step's (set it with --set or the world)" if known else "not a config field"
+            why = "a run's field, not a step's (set it with --set or the world)" if k in _KNOWN else "not a config field"
             raise ValueError(f"{path}: field {k!r}: {why}; a recipe sets {', '.join(STEP_FIELDS)}")
+    d = upgrade_config(d)
     try: OPSDConfig(**d)
     except ValueError as e: raise ValueError(f"{path}: {e}") from None
     if eq is not None:
         if not isinstance(eq, dict) or set(eq) - {"recipe", "overrides"} or eq.get("recipe") is None:
             raise ValueError(f"{path}: field 'equals': expected {{recipe: NAME, overrides: {{FIELD: VALUE}}}}, got {eq!r}")
         over = eq.get("overrides") or {}
-        bad = sorted(set(over) - set(STEP_FIELDS))
+        bad = sorted(set(upgrade_config(over, flat=True)) - set(STEP_FIELDS))
         if bad: raise ValueError(f"{path}: field 'equals': overrides {bad} are not step fields")
-        eq = dict(recipe=str(eq["recipe"]), overrides=dict(over))
+        eq = dict(recipe=str(eq["recipe"]), overrides=upgrade_config(over))
     return d, eq
 
 def load_recipe(name_or_path: str) -> dict:
-    "A recipe's OPSDConfig fields (a dict to lay over a base config: `OPSDConfig.from_dict({**base, **recipe})`)."
+    "A recipe's OPSDConfig fields (a dict to lay over a base config: `merge_config(base.to_dict(), recipe)`)."
     return read_recipe(name_or_path)[0]
 
 def recipe_config(name_or_path: str, base: OPSDConfig | None = None, **overrides) -> OPSDConfig:
     "`base` (default: the released defaults) with the recipe's fields, then `overrides`."
-    d = {**(base or OPSDConfig()).to_dict(), **load_recipe(name_or_path), **overrides}
+    d = merge_config((base or OPSDConfig()).to_dict(), load_recipe(name_or_path), overrides)
     return OPSDConfig.from_dict(d, source=f"recipe {name_or_path}")
 
 def equal_config(name_or_path: str, base: OPSDConfig | None = None, **overrides) -> OPSDConfig | None:
     "The config whose step a recipe's `equals` says it computes (on `base`, with `overrides`); None without `equals`."
     eq = read_recipe(name_or_path)[1]
     if eq is None: return None
-    return recipe_config(eq["recipe"], base, **{**eq["overrides"], **overrides})
+    return recipe_config(eq["recipe"], base, **merge_config(eq["overrides"], overrides))

@@ -415,7 +415,10 @@ def _cfg_value(v) -> str:
 def config_groups(
     configs: dict,  # run label -> its config (config.json)
 ) -> tuple[dict, list]:  # (run label -> its group label), fields that differ between the runs
-    "Each run's config group: the clip mode, plus every other field that differs between the runs (seeds aside)."
+    """Each run's config group: the clip mode, plus every other field that differs between the runs (seeds aside); old
+    flat and nested config.json alike (`opsd.config.upgrade_config`: nested fields by their dotted names, `lora.r`)."""
+    from opsd.config import upgrade_config
+    configs = {run: upgrade_config(c, flat=True) for run, c in configs.items()}
     fields = sorted(set().union(*map(set, configs.values())) - set(REPLICATE_FIELDS)) if configs else []
     differ = [f for f in fields if len({_cfg_value(c.get(f)) for c in configs.values()}) > 1]
     label = {}
@@ -427,7 +430,9 @@ def config_groups(
 
 def _regroup(frames: list, configs: dict) -> tuple[list, pl.DataFrame | None]:
     "Frames whose clip column names each run's config group where one clip mode holds several configs; the table."
+    from opsd.config import upgrade_config
     label, differ = config_groups(configs)
+    configs = {run: upgrade_config(c, flat=True) for run, c in configs.items()}
     by_clip = {}
     for run, c in configs.items(): by_clip.setdefault(c.get("clip"), set()).add(label[run])
     if not differ or all(len(v) == 1 for v in by_clip.values()):

@@ -113,14 +113,15 @@ def config(self: World, **overrides):
     "The world's config preset (`opsd.train.OPSDConfig`) with overrides; `model` is the world's name."
     import torch
     from opsd.train import OPSDConfig
+    from opsd.config import merge_config
     if self.kind == "toy": base = OPSDConfig.toy().to_dict()
     else: base = OPSDConfig().to_dict()
     if self.kind == "real":
         from opsd.smollm2 import SMOLLM2_RECIPE
-        base.update(SMOLLM2_RECIPE)
+        base = merge_config(base, SMOLLM2_RECIPE)
         if not torch.cuda.is_available(): base.update(dtype="float32", rollout="hf")  # the recipe is the GPU's
     base.update(model=self.name, data=self.data)
-    return OPSDConfig.from_dict({**base, **overrides}, source=f"world {self.name!r}")
+    return OPSDConfig.from_dict(merge_config(base, overrides), source=f"world {self.name!r}")
 
 # %% ../nbs/08c_worlds.ipynb #e7a1c3d1
 @patch

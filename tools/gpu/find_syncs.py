@@ -5,9 +5,11 @@ import torch
 from opsd.train import OPSDConfig, OPSDTrainer
 from opsd.bench import bench_problems, E2E_COMMON
 from opsd.recipes import load_recipe
+from opsd.config import merge_config
 model = sys.argv[1]
-cfg = OPSDConfig(**{**E2E_COMMON, **load_recipe("fast"), "model": model, "run_dir": "/tmp/fs/run", "name": "fs",
-                    "rollout": "hf", "batch_size": 8, "micro_batch_size": 4, "sampling": {"max_tokens": 32}, "seed": 0})
+cfg = OPSDConfig(**merge_config(E2E_COMMON, load_recipe("fast"), dict(
+    model=model, run_dir="/tmp/fs/run", name="fs", rollout="hf", batch_size=8, micro_batch_size=4,
+    sampling=dict(max_tokens=32), seed=0)))
 tr = OPSDTrainer(cfg, bench_problems(16), model_path=model, progress=False)
 tr.step(1)
 seen = collections.Counter(); first = {}
