@@ -9,6 +9,7 @@ import polars as pl
 import pytest
 
 from conftest import opsd_main, venv_bin
+from opsd.config import upgrade_config
 
 
 def run(*args, check=True):
@@ -143,10 +144,11 @@ def test_train_smollm2_on_cpu(smollm2_run):
     cfg = json.loads((rd / "config.json").read_text())
     assert (cfg["model"], cfg["dtype"], cfg["rollout"], cfg["batch_size"], cfg["sampling"]["max_tokens"],
             cfg["teacher_context"]) == ("smollm2", "float32", "hf", 2, 16, "none")
-    mine = ("dtype", "rollout", "batch_size", "micro_batch_size", "steps", "max_completion_length", "run_dir",
+    mine = ("dtype", "rollout", "batch_size", "micro_batch_size", "steps", "sampling.max_tokens", "run_dir",
             "log_positions", "teacher_context")  # set on the command line, or the CPU's choices
-    recipe = {k: v for k, v in SMOLLM2_RECIPE.items() if k not in mine}
-    assert {k: cfg[k] for k in recipe} == recipe
+    flat = upgrade_config(cfg, flat=True)   # nested fields by their dotted names
+    recipe = {k: v for k, v in upgrade_config(SMOLLM2_RECIPE, flat=True).items() if k not in mine}
+    assert {k: flat[k] for k in recipe} == recipe
     m = pl.read_ndjson(rd / "metrics.jsonl")
     assert m["step"].to_list() == [1] and m["kl/true"][0] > 0
     assert (rd / "checkpoints" / "step-1").exists()
