@@ -121,7 +121,7 @@ def run_job(job:dict, # from `demo_jobs`
     kw = toy_config(job["teacher"], **job["toy"]).problem_kw()
     out = dict(name=job["name"], run_dir=cfg.run_dir)
     if phase in ("train", "both"):
-        from opsd.train import check_run_config
+        from opsd.checkpoint import check_run_config
         from opsd.runs import latest_checkpoint, checkpoint_step
         t0 = time.perf_counter()
         check_run_config(cfg.run_dir, cfg)              # a finished run of another config is refused, not kept

@@ -124,7 +124,7 @@ def export_run(run_dir, # the run folder
                dtype: str | None = None, # the saved weights' dtype (default: the run's)
               ) -> Path: # the model folder
     "Merge a run's LoRA adapter (latest checkpoint, or `step`) into its base: a from_pretrained folder with a model card."
-    from opsd.train import base_fingerprint
+    from opsd.checkpoint import base_fingerprint
     run = RunDir(run_dir)
     if not run.path.is_dir(): raise FileNotFoundError(f"{run.path}: not a run folder (no such directory)")
     step, ck = _checkpoint(run, step)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_train.ipynb #81ecd379
 from __future__ import annotations
-import dataclasses, errno, io, json, math, os, random, shutil, signal, time, warnings
+import dataclasses, json, math, os, random, signal, time, warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -18,26 +18,25 @@ from .diagnostics import loss_and_diagnostics, diagnostic_sums, diagnostics_fram
 from .data import (PromptConfig, student_prompt_ids, prompt_ids, teacher_context_prompt, load_problems,
                        check_context, model_context)
 from .collate import collate, trim_at_eos
-from .config import OPSDConfig, TEACHER_MODES, EMA_STARTS, upgrade_config
+from .config import OPSDConfig, TEACHER_MODES, EMA_STARTS
 # re-exported: `from opsd.train import OPSDConfig, read_yaml, ...` keeps working (05h_config is their home)
 from .config import (read_yaml, LORA_TARGETS, SCHEDULERS, OBJECTIVES, ROLLOUTS, NORMALIZE, LOSS_KERNELS,  # noqa: F401
                          LAYOUTS, RENAMED, RETIRED)
 from .rollout import Rollout, SamplingConfig, make_rollout, resolve_backend
-from .repro import pin_numerics, environment, weights_fingerprint, folder_lock
+from .repro import pin_numerics, environment, folder_lock
 from .kernels import apply_kernels, fuse_lora
 from .packing import host_prepared, side_logits, side_hidden, use_packed_attention
 from .overlap import Overlap
-from .runs import RunDir, load_model, load_tokenizer, write_bytes, disk_full, full_error, checkpoint_step
-from .runs import write_checksums, verify_checkpoint, _fresh_blockers
+from .runs import RunDir, load_model, load_tokenizer, _fresh_blockers
 from .data import data_record_of, check_special_tokens
+from .checkpoint import (save_checkpoint, load_checkpoint, read_trainer_state, divergence, check_writable,  # noqa: F401
+                             check_same_data, check_run_config, check_same_base, base_fingerprint, config_differences,
+                             _test_pause, _FIX)
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'patch', 'COLLAPSE_ENTROPY', 'WEIGHT_LIMIT', 'RESUME_MAY_DIFFER', 'add_lora', 'trainable',
-           'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher', 'save_checkpoint',
-           'read_trainer_state', 'load_checkpoint', 'StepPlan', 'Samples', 'PendingRollout', 'BackwardResult',
-           'UpdateResult', 'Timings', 'rollout_engine_kw', 'engine_settings', 'OPSDTrainer', 'length_groups',
-           'padded_share', 'Interrupted', 'divergence', 'check_writable', 'check_same_data', 'config_differences',
-           'check_run_config', 'check_same_base', 'base_fingerprint', 'train']
+__all__ = ['patch', 'add_lora', 'trainable', 'decoder_of', 'set_checkpointing', 'bf16_adapter_compute', 'Teacher', 'StepPlan',
+           'Samples', 'PendingRollout', 'BackwardResult', 'UpdateResult', 'Timings', 'rollout_engine_kw',
+           'engine_settings', 'OPSDTrainer', 'length_groups', 'padded_share', 'Interrupted', 'train']
 
 # %% ../nbs/06_train.ipynb #8b368d88
 def add_lora(model, cfg: OPSDConfig):
@@ -123,115 +122,6 @@ class Teacher:
     def load_state_dict(self, sd):
         if self.ema is None or not sd: return
         self.ema = {k: v.clone() for k, v in sd["ema"].items()}; self.updates = int(sd["updates"])
-
-# %% ../nbs/06_train.ipynb #bff659ce
-CHECKPOINT_FORMAT = 2   # 2: trainer_state.pt of tensors and plain values (weights_only); 1 (pickled RNG states): refused
-
-def _rng_state() -> dict:
-    "Every RNG state as tensors and plain values (loadable with `torch.load(weights_only=True)`)."
-    version, mt, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return dict(python=dict(version=version, state=list(mt), gauss=gauss),
-                numpy=dict(name=str(name), keys=torch.from_numpy(keys.astype(np.int64)), pos=int(pos),
-                           has_gauss=int(has_gauss), cached_gaussian=float(cached)),
-                torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-def _set_rng_state(s: dict):
-    p, n = s["python"], s["numpy"]
-    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
-
-def _test_pause(where: str, step: int):
-    "Tests only: with OPSD_TEST_PAUSE='where:step', create the file OPSD_TEST_PAUSE_MARK and wait while it exists."
-    if os.environ.get("OPSD_TEST_PAUSE") != f"{where}:{step}": return
-    mark, t0 = Path(os.environ["OPSD_TEST_PAUSE_MARK"]), time.time()
-    mark.write_text(str(os.getpid()))
-    while mark.exists() and time.time() - t0 < 600: time.sleep(0.02)   # a kill -9 lands here
-
-def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, teacher: Teacher,
-                    rollout_adapter: dict | None = None, rollout_group: dict | None = None) -> Path:
-    """Write checkpoints/step-N atomically (model: the unwrapped peft model). Completions already sampled for later
-    steps (`async_rollout`, `steps_per_rollout`): the adapter they came from and `rollout_group` (the steps of that
-    engine call and the step it ran in), so that a resumed run samples exactly them again."""
-    run = RunDir(run_dir)
-    final = run.checkpoints_dir / f"step-{step}"
-    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
-    buf = io.BytesIO()   # serialised here, written below with an OS-level write that reports a full disk
-    torch.save(dict(format=CHECKPOINT_FORMAT, optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
-                    teacher=teacher.state_dict(), rng=_rng_state(), step=step), buf)
-    try:
-        shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-        model.save_pretrained(tmp)
-        if rollout_adapter is not None:
-            from safetensors.torch import save_file
-            save_file({k: v.detach().cpu().contiguous() for k, v in rollout_adapter.items()},
-                      str(tmp / "rollout_adapter.safetensors"))
-            write_bytes(tmp / "rollout_group.json", json.dumps(rollout_group or {}).encode())
-        _test_pause("save", step)
-        write_bytes(tmp / "trainer_state.pt", buf.getbuffer())
-        write_bytes(tmp / "state.json", json.dumps(dict(step=step)).encode())
-        write_checksums(tmp)   # last: the manifest of opsd's files, verified on every load
-        if final.exists(): shutil.rmtree(old, ignore_errors=True); os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        why = disk_full(e)
-        denied = isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
-        if why is None and not denied: raise
-        prev = [p for p in run.checkpoints() if checkpoint_step(p) != step]
-        kept = f"the previous checkpoint {prev[-1].name} is intact" if prev else "no earlier checkpoint exists"
-        if denied: raise PermissionError(f"cannot write checkpoint step-{step} to {run.checkpoints_dir} ({e.strerror}); "
-                                         f"{kept}; make the folder writable, then run the same command again") from None
-        raise full_error(f"checkpoint step-{step} to {run.checkpoints_dir}", why, kept) from None
-    return final
-
-def read_trainer_state(path) -> dict:
-    "A checkpoint's trainer_state.pt, loaded with `weights_only=True`; anything that needs more is refused."
-    import pickle
-    path = Path(path)
-    fix = "start over with --fresh, or move the checkpoint out of the run folder"
-    import zipfile
-    if path.is_file() and not zipfile.is_zipfile(path) and path.read_bytes()[:4] == b"PK\x03\x04":
-        raise ValueError(f"checkpoint file {path}: truncated or corrupted (a torch zip archive that does not read "
-                         f"back whole); {fix}")
-    if path.is_file() and not zipfile.is_zipfile(path):   # torch.save writes a zip archive; a bare pickle is refused
-        raise ValueError(f"{path}: refused: not a trainer state written by opsd (not a torch zip archive; a plain "
-                         f"pickle could run code); {fix}")
-    try: st = torch.load(path, weights_only=True)
-    except pickle.UnpicklingError:
-        raise ValueError(f"{path}: refused: loading it would run pickled Python code (a checkpoint of an older opsd, "
-                         f"or a crafted file); only tensors and plain values are loaded; {fix}") from None
-    except (RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"{path}: not a readable checkpoint ({str(e).splitlines()[0]}); {fix}") from None
-    if not isinstance(st, dict) or st.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: not an opsd trainer state of format {CHECKPOINT_FORMAT}; {fix}")
-    return st
-
-def load_checkpoint(path, model, optimizer, scheduler, teacher: Teacher) -> int:
-    "Restore a checkpoint in place (nothing is changed when its trainer state is refused); returns its step."
-    from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
-    path = Path(path)
-    if not (path / "trainer_state.pt").exists():
-        raise FileNotFoundError(f"{path}: a checkpoint without trainer_state.pt (an adapter only, not written by the "
-                                "trainer) cannot be resumed; move it out of the run folder or start a fresh run")
-    st = read_trainer_state(path / "trainer_state.pt")   # (tensors and plain values only: refuses pickled code first)
-    verify_checkpoint(path)   # checksums.json: every file as opsd wrote it (one line naming the file that is not)
-    try: weights = load_file(str(path / "adapter_model.safetensors"))
-    except Exception as e:
-        if type(e).__name__ != "SafetensorError" and not isinstance(e, OSError): raise
-        raise ValueError(f"checkpoint file {path / 'adapter_model.safetensors'}: not readable "
-                         f"({str(e).splitlines()[0][:200]}): truncated or corrupted") from None
-    set_peft_model_state_dict(model, weights)
-    optimizer.load_state_dict(st["optimizer"]); scheduler.load_state_dict(st["scheduler"])
-    teacher.load_state_dict(st["teacher"])
-    _set_rng_state(st["rng"])
-    return int(st["step"])
 
 # %% ../nbs/06_train.ipynb #4483335e
 def _patch(f):
@@ -705,30 +595,9 @@ def _keep_positions(self: OPSDTrainer, step: int, back: BackwardResult):
 
 
 # %% ../nbs/06_train.ipynb #e5b9b697
-COLLAPSE_ENTROPY = 0.99   # student entropy at or above this share of log(vocabulary), with a zero gradient: collapsed
-WEIGHT_LIMIT = 1e6        # an adapter weight beyond this magnitude: the update blew up (LoRA weights stay far below 1)
-
 class Interrupted(KeyboardInterrupt):
     "SIGINT or SIGTERM during training: a checkpoint was saved (or the second signal aborted); exit 128 + signum."
     def __init__(self, signum: int = signal.SIGINT): super().__init__(signum); self.signum = int(signum)
-
-def divergence(row: dict, # a metrics row of the step
-               params: Sequence[torch.Tensor], # the trainable weights after the step's update
-               vocab: int | None = None, # the model's vocabulary size (for the collapse test)
-              ) -> str | None:
-    "Why a step diverged (non-finite loss, gradient or weights; a collapsed uniform policy), or None."
-    for k in ("loss", "grad_norm"):
-        v = row.get(k)
-        if v is not None and not math.isfinite(v): return f"the {k.replace('_', ' ')} is {v}"
-    if not all(bool(torch.isfinite(p).all()) for p in params):
-        return "the adapter weights are no longer finite after the update"
-    big = max((float(p.detach().abs().max()) for p in params if p.numel()), default=0.0)
-    if big > WEIGHT_LIMIT: return f"an adapter weight reached {big:.3g} after the update (limit {WEIGHT_LIMIT:g})"
-    ent = row.get("entropy/student")
-    if vocab and row.get("grad_norm") == 0.0 and ent is not None and ent >= COLLAPSE_ENTROPY * math.log(vocab):
-        return (f"the policy collapsed to uniform output (student entropy {ent:.3f} nats, log V = {math.log(vocab):.3f}) "
-                "and the gradient is exactly 0")
-    return None
 
 @patch
 def diverged(self: OPSDTrainer, step: int, why: str) -> RuntimeError:
@@ -740,73 +609,9 @@ def diverged(self: OPSDTrainer, step: int, why: str) -> RuntimeError:
 
 OPSDTrainer.vocab_size = property(lambda self: decoder_of(self.unwrapped)[1].get_output_embeddings().weight.shape[0])
 
-def check_writable(run: RunDir):
-    "Refuse, before any step, a run folder whose checkpoints could not be written (read-only folder or file system)."
-    import errno
-    for d in (run.path, run.checkpoints_dir):
-        if not d.is_dir(): continue
-        probe = d / f".opsd-write-test-{os.getpid()}"   # one per process: ranks probe the same folder at once
-        try: probe.write_bytes(b""); probe.unlink()
-        except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS): raise
-            raise PermissionError(f"run folder {run.path}: {d} is not writable ({e.strerror}); checkpoints could not be "
-                                  "saved: make it writable, or use another run folder") from None
 
-def check_same_data(run_dir, record: dict | None, allow: bool = False):
-    "Refuse to resume a run on data whose content differs from what it recorded (`data.json`), unless `allow`."
-    rd = RunDir(run_dir)
-    old = rd.read_data()
-    if record is None or old is None or old.get("sha256") == record.get("sha256"): return
-    if not (rd.latest_checkpoint() or rd.metrics_path.exists()): return   # nothing was trained on it yet
-    was, now = f"{old.get('path')} (sha256 {str(old.get('sha256'))[:12]})", f"{record['path']} (sha256 {record['sha256'][:12]})"
-    if allow:
-        print(f"[opsd] data changed since this run started: {was} -> {now}; resuming on it (allowed)"); return
-    raise ValueError(f"run folder {rd.path} was trained on data {was}, but the data is now {now} (edited since, or "
-                     f"another file); pass --allow-data-change to resume on it anyway, or {_FIX}")
 
 # %% ../nbs/06_train.ipynb #50843787
-RESUME_MAY_DIFFER = ("run_dir", "save_every", "report_to")   # where the folder is, where checkpoints fall: no number changes
-
-def _plain(d: dict) -> dict: return json.loads(json.dumps(d, default=str))   # as config.json holds it
-
-def config_differences(old: dict, # a saved config.json
-                       new: dict, # `OPSDConfig.to_dict()` of the new run
-                      ) -> dict: # field -> (old, new)
-    "The fields on which two configs give different results (RESUME_MAY_DIFFER aside; absent = the default)."
-    defaults, old, new = (_plain(upgrade_config(d, flat=True)) for d in (OPSDConfig().to_dict(), old, new))
-    out = {k: (old.get(k, d), new.get(k, d)) for k, d in defaults.items()
-           if k not in RESUME_MAY_DIFFER and old.get(k, d) != new.get(k, d)}
-    if "steps" in out and old.get("scheduler") == new.get("scheduler") == "constant": del out["steps"]
-    return out
-
-_FIX = "start over with --fresh (opsd train; fit(resume=False)), or use another run folder"
-
-def check_run_config(run_dir, cfg: OPSDConfig,
-                     data_pinned: bool = False, # the data is checked by content (`check_same_data`), not by its path
-                    ):
-    "Refuse to resume `run_dir` with `cfg` when its saved config differs on a field that changes results."
-    rd = RunDir(run_dir)
-    fix = _FIX
-    if not rd.config_path.exists():
-        if (rd.metrics_path.exists() and rd.metrics_path.stat().st_size) or rd.checkpoints():
-            raise ValueError(f"run folder {rd.path} holds metrics or checkpoints but no config.json, so which config "
-                             f"wrote them is unknown; {fix}")
-        return
-    diff = config_differences(rd.read_config(), cfg.to_dict())
-    if data_pinned and rd.read_data() is not None: diff.pop("data", None)   # a path written another way, same content
-    if diff:
-        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(f"run folder {rd.path} holds a run with another config ({listed}); {fix}")
-
-def check_same_base(run_dir, fingerprint: str | None):
-    "Refuse to resume a checkpoint trained on other base weights than the model's now (a rebuilt or replaced base)."
-    rd = RunDir(run_dir)
-    if fingerprint is None or rd.latest_checkpoint() is None: return
-    seen = [s["base_fingerprint"] for s in rd.starts() if s.get("base_fingerprint")]
-    if seen and seen[-1] != fingerprint:
-        raise ValueError(f"run folder {rd.path} was trained on base weights {seen[-1]}, but the model folder now holds "
-                         f"{fingerprint} (rebuilt or replaced); {_FIX}")
-
 @patch
 def _regenerate_pending(self: OPSDTrainer, ck: Path) -> PendingRollout | None:
     """Resume: the completions a checkpoint's step had already sampled for later steps, sampled again in one engine
@@ -851,11 +656,6 @@ def save(self: OPSDTrainer, step: int):
         save_checkpoint(self.run_dir, step, self.unwrapped, self.optimizer, self.scheduler, self.teacher,
                         p.weights if pend else None, pend)
     self.acc.wait_for_everyone()
-
-def base_fingerprint(path) -> str | None:
-    "The weights fingerprint of a local from_pretrained folder with safetensors (None for a hub name or no such files)."
-    p = Path(str(path))
-    return weights_fingerprint(p) if p.is_dir() and any(p.glob("*.safetensors")) else None
 
 @patch
 def start_record(self: OPSDTrainer, start: int, fresh: bool, fingerprint: str | None = None) -> dict:

@@ -13,7 +13,7 @@ import pytest
 from conftest import opsd_main
 from opsd.config import OPSDConfig, upgrade_config
 from opsd.report import config_groups
-from opsd.train import config_differences
+from opsd.checkpoint import config_differences
 
 ROOT = Path(__file__).resolve().parents[1]
 STORED = ROOT / "results" / "smollm2-clips" / "smollm2-entry-sync-s2" / "config.json"   # lora 16/32, vllm 0.2, no sleep
