@@ -70,7 +70,7 @@ def test_async_off_equals_the_stored_synchronous_run(tiny_ckpt, toy_problems, tm
     recorded before async_rollout existed, and its rows carry no async timings. Break that made it fail: `step`
     dispatching to `_step_async` whatever the config (step 2 trains on step 2's samples from theta_0, not theta_1)."""
     want = json.loads((DATA / "regression_toy.json").read_text())
-    assert want["config"] == REG_CONFIG
+    assert upgrade_config(want["config"]) == REG_CONFIG   # stored flat: max_completion_length
     tr = OPSDTrainer(OPSDConfig.toy(model=str(tiny_ckpt), run_dir=str(tmp_path / "off"), async_rollout=False,
                                     **REG_CONFIG), toy_problems, progress=False)
     assert tr.cfg.vllm.sleep  # off leaves the release's sleep alone
@@ -212,6 +212,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from opsd.toy import toy_tokenizer, make_problems
 from opsd.train import OPSDConfig, OPSDTrainer
+from opsd.config import upgrade_config
 
 out = sys.argv[1]
 tok = toy_tokenizer()

@@ -187,7 +187,7 @@ ROWS = [
     ("demo-n-eval-zero", lambda c: ["demo", "--out", str(c.tmp / "d"), "--n-eval", "0"], "--n-eval 0: must be at least 1"),
     ("demo-workers-zero", lambda c: ["demo", "--out", str(c.tmp / "d"), "--workers", "0"], "--workers 0: must be"),
     ("lora-targets-nested", lambda c: train_argv(c, run=c.tmp / "new", sets=["lora.targets=[[q_proj]]"]),
-     "config field lora_targets=[['q_proj']]: expected a list of module names"),
+     "config field lora.targets=[['q_proj']]: expected a list of module names"),
     ("prompt-system-not-text", lambda c: train_argv(c, run=c.tmp / "new", sets=["prompt={system: [1, 2]}"]),
      "prompt field system: expected a string, got list"),
     ("yaml-alias-bomb", _bomb, ("bomb.yaml", "tau", "characters in all, cut")),
