@@ -16,6 +16,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from opsd.runs import read_config, read_metrics
 from opsd.train import OPSDConfig, OPSDTrainer
+from opsd.config import upgrade_config
 
 from conftest import venv_bin
 
@@ -172,7 +173,7 @@ def stopped_and_resumed(ckpt, problems, tmp_path, stop: int, **kw) -> tuple:
 def test_cli_set_async_rollout(tiny_ckpt, toy_data_file, tmp_path):
     """`opsd train --set async_rollout=true` runs async (rows log the rollout wait and overlap) and writes the forced
     `vllm.sleep: false` into the run's config. Break that made it fail: dropping the forcing line in
-    `OPSDConfig.__post_init__` (the config keeps vllm_sleep true)."""
+    `OPSDConfig.__post_init__` (the config keeps vllm.sleep true)."""
     run = tmp_path / "cli"
     cmd = [venv_bin("opsd"), "train", "--preset", "toy", "--model", str(tiny_ckpt), "--data", str(toy_data_file),
            "--run-dir", str(run), "--steps", "3", "--save-every", "2", "--batch-size", "4", "--micro-batch-size", "4",
@@ -212,7 +213,6 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from opsd.toy import toy_tokenizer, make_problems
 from opsd.train import OPSDConfig, OPSDTrainer
-from opsd.config import upgrade_config
 
 out = sys.argv[1]
 tok = toy_tokenizer()
@@ -222,8 +222,9 @@ cfg = Qwen3Config(vocab_size=len(tok), hidden_size=256, intermediate_size=512, n
                   initializer_range=0.2, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
 Qwen3ForCausalLM(cfg).save_pretrained(out + "/base"); tok.save_pretrained(out + "/base")
 kw = dict(model=out + "/base", steps=5, batch_size=16, micro_batch_size=4, lr=0.05, scheduler="constant",
-          max_grad_norm=0.0, max_completion_length=48, log_positions=0, dtype="bfloat16", save_every=100,
-          padding="aligned", rollout="vllm", vllm_memory=0.2)
+          max_grad_norm=0.0, sampling=dict(max_tokens=48), vllm=dict(memory=0.2), log_positions=0, dtype="bfloat16",
+          save_every=100,
+          padding="aligned", rollout="vllm")
 probs = make_problems(64, seed=0, split="train")
 tr = OPSDTrainer(OPSDConfig.toy(run_dir=out + "/async", async_rollout=True, **kw), probs, progress=False)
 lora = lambda t: {k: v.detach().clone() for k, v in get_peft_model_state_dict(t.unwrapped).items()}

@@ -113,7 +113,7 @@ def test_choices_are_the_config_constants():
 
 
 def test_train_preset_follows_the_world(tmp_path):
-    "Break: config_from_args always starting from OPSDConfig() -> `--model toy:copy` gets lora_r 64 and bfloat16."
+    "Break: config_from_args always starting from OPSDConfig() -> `--model toy:copy` gets lora.r 64 and bfloat16."
     from opsd.cli import parser, config_from_args
     from opsd.train import OPSDConfig
     cfg = config_from_args(parser().parse_args(["train", "--model", "toy:copy", "--clip", "none", "--set", "tau=0.2"]))

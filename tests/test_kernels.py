@@ -214,7 +214,7 @@ def test_fused_lora_trainer_step_equals_plain(tiny_ckpt, toy_problems, tmp_path)
     from opsd.train import OPSDConfig, OPSDTrainer
     kw = dict(model=str(tiny_ckpt), steps=2, batch_size=4, micro_batch_size=2, sampling=dict(max_tokens=8), lr=0.05,
               dtype="float64", log_positions=0, save_every=100, padding="aligned")
-    with pytest.raises(ValueError, match="fused_lora=True needs lora_dropout=0"):
+    with pytest.raises(ValueError, match="fused_lora=True needs lora.dropout=0"):
         OPSDConfig.toy(fused_lora=True, lora=dict(dropout=0.1))
     rows = {}
     for on in (False, True):

@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent("""
     out, mode = Path(sys.argv[1]), sys.argv[2]
     base = build_toy_base(toy_config("soft", sft_steps=30, n_eval=0), cache_dir=out / "cache", progress=False)
     cfg = OPSDConfig.toy(model=str(base), run_dir=str(out / "run"), steps=4, save_every=2, batch_size=4,
-                         micro_batch_size=2, max_completion_length=16, seed=5, clip="entry", log_positions=0)
+                         micro_batch_size=2, sampling=dict(max_tokens=16), seed=5, clip="entry", log_positions=0)
     probs = make_problems(64, seed=5, split="train")
     trainer = lambda: OPSDTrainer(cfg, probs, grader=lambda t, a: grade(t, a, mode="exact"), prompt_config=TOY_PROMPT,
                                   progress=False)

@@ -159,7 +159,7 @@ def test_run_folder_that_is_a_file_or_has_no_config(tiny_ckpt, toy_problems, tmp
 
 def test_prompts_longer_than_the_context_are_refused_before_the_model_loads(tiny_ckpt, toy_problems, tmp_path,
                                                                             monkeypatch):
-    """A problem whose prompt plus max_completion_length exceeds the model's context (1024 here) is refused at
+    """A problem whose prompt plus sampling.max_tokens exceeds the model's context (1024 here) is refused at
     OPSDTrainer(), naming the data, the row id and the counts, before the model is loaded. Break that made it fail:
     the check called after load_model (the stubbed loader below raises first)."""
     import opsd.train

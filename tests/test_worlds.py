@@ -34,7 +34,7 @@ def test_toy_world_is_the_toy_modules():
 
 
 def test_toy_world_preset_is_the_toy_preset():
-    "Break: the world starting from OPSDConfig() instead of OPSDConfig.toy() -> lora_r, dtype, rollout differ."
+    "Break: the world starting from OPSDConfig() instead of OPSDConfig.toy() -> lora.r, dtype, rollout differ."
     cfg = resolve_world("toy:copy").config(steps=3, clip="scaled")
     assert cfg.to_dict() == OPSDConfig.toy(model="toy:copy", steps=3, clip="scaled").to_dict()
     assert (cfg.lora.r, cfg.dtype, cfg.rollout) == (8, "float32", "hf")
