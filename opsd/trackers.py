@@ -38,8 +38,11 @@ def scalar_metrics(row: dict, # a metrics.jsonl row
 
 # %% ../nbs/05d_trackers.ipynb #c13e5385
 def _flat_config(cfg: dict) -> dict:
-    "A config as trackers store hyperparameters: bool/int/float/str values; tuples, dicts and None as text."
-    return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v, default=str) for k, v in cfg.items()}
+    """A config as trackers store hyperparameters: nested fields by their dotted names (`lora.r`); bool/int/float/str
+    values; tuples, dicts and None as text."""
+    from opsd.config import upgrade_config
+    return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v, default=str)
+            for k, v in upgrade_config(cfg, flat=True).items()}
 
 class RunTrackers:
     "accelerate's trackers for one run: started at the first row; `log` sends a metrics row's numbers at its step."
