@@ -268,7 +268,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--preset", choices=PRESETS, default="world",
                    help="starting config: the --model world's preset (default), the released recipe, or the toy's")
     add_config_flags(t)
-    t.add_argument("--set", nargs="*", metavar="KEY=VALUE",
+    t.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",   # repeatable: --set a=1 --set b=2
                    help="override any config field (YAML values); a nested one dotted: lora.r=16 (listed below)")
     t.add_argument("--fresh", action="store_true", help="start over instead of resuming (removes only what opsd wrote)")
     t.add_argument("--allow-data-change", dest="allow_data_change", action="store_true",

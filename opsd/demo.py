@@ -579,7 +579,8 @@ def add_demo_args(d):
     d.add_argument("--n-eval", dest="n_eval", type=int,
                    help=f"held-out problems (toy: {_TOY_EVAL['n']}; others: the world's)")
     d.add_argument("--k", type=int, help=f"samples per held-out problem (toy: {_TOY_EVAL['k']}; others: the world's)")
-    d.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="override any OPSDConfig field of every run (YAML)")
+    d.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",   # repeatable: --set a=1 --set b=2
+                   help="override any OPSDConfig field of every run (YAML; a nested one dotted: lora.r=8)")
     d.add_argument("--no-png", action="store_true")
     d.add_argument("--quick", action="store_true", help="pipeline check on a reduced toy (not a measurement)")
     d.add_argument("--study", choices=["schedules", "released-lr"],

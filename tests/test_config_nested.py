@@ -80,7 +80,8 @@ def test_nested_overrides_merge(tmp_path):
 def test_cli_nested_set_and_help(tmp_path):
     "`--set lora.r=16 sampling.max_tokens=32` (and an old flat name, read quietly) resolve; --help lists nested fields."
     from opsd.cli import config_from_args, parser
-    a = parser().parse_args(["train", "--preset", "toy", "--set", "lora.r=16", "sampling.max_tokens=32", "vllm_sleep=false"])
+    a = parser().parse_args(["train", "--preset", "toy", "--set", "lora.r=16", "--set", "sampling.max_tokens=32",
+                             "vllm_sleep=false"])   # --set repeated: every item kept
     cfg = config_from_args(a)
     assert (cfg.lora.r, cfg.lora.alpha, cfg.sampling.max_tokens, cfg.vllm.sleep) == (16, 16, 32, False)
     code, out, err = opsd_main("train", "--help")
