@@ -38,11 +38,13 @@ def scalar_metrics(row: dict, # a metrics.jsonl row
 
 # %% ../nbs/05d_trackers.ipynb #c13e5385
 def _flat_config(cfg: dict) -> dict:
-    """A config as trackers store hyperparameters: nested fields by their dotted names (`lora.r`); bool/int/float/str
-    values; tuples, dicts and None as text."""
-    from opsd.config import upgrade_config
-    return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v, default=str)
-            for k, v in upgrade_config(cfg, flat=True).items()}
+    """A config as trackers store hyperparameters: a nested field's entries by dotted names (`lora.r`, `prompt.system`);
+    bool/int/float/str values; tuples, empty mappings and None as text."""
+    flat = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict) and v: flat.update({f"{k}.{s}": w for s, w in v.items()})
+        else: flat[k] = v
+    return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v, default=str) for k, v in flat.items()}
 
 class RunTrackers:
     "accelerate's trackers for one run: started at the first row; `log` sends a metrics row's numbers at its step."
