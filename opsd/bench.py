@@ -8,6 +8,7 @@ import argparse, itertools, json, random, statistics, subprocess, sys, time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 import torch
+from .config import merge_config, upgrade_config
 from .loss_bench import format_table, loss_bench_cpu, loss_bench_cuda, loss_table
 
 # %% auto #0
@@ -116,7 +117,6 @@ def e2e_variants() -> dict:
     compiled layers, without packing (aligned padding), with an fp8 rollout (a departure; its own vLLM engine, so its
     own process), and `fast-offpolicy` without the overlap (its shared rollout alone)."""
     from opsd.recipes import RECIPES, load_recipe
-    from opsd.config import merge_config
     v = {name: load_recipe(name) for name in RECIPES}
     v["fast without compile"] = dict(v["fast"], decoder_kernels="none")
     v["fast without packing"] = dict(v["fast"], padding="aligned")
@@ -127,7 +127,6 @@ def e2e_variants() -> dict:
 def engine_groups(variants: dict, common: dict | None = None) -> dict:
     "Variant names by the rollout engine they need (`engine_settings` of each variant's config)."
     from opsd.train import OPSDConfig, engine_settings
-    from opsd.config import merge_config
     out = {}
     for name, over in variants.items():
         out.setdefault(engine_settings(OPSDConfig(**merge_config(E2E_COMMON, common, over))), []).append(name)
@@ -175,13 +174,10 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
     warm-up and timed steps are rounded up to whole groups and every number is a group's mean per step."""
     import gc, tempfile, traceback
     from opsd.train import OPSDConfig, OPSDTrainer, engine_settings
-    from opsd.config import merge_config, upgrade_config
     if variants is None: variants = {n: e2e_variants()[n] for n in E2E_DEFAULT}
     check_one_engine(variants, rollout, common)   # before any model loads
     problems = problems or bench_problems(64)
-    run_root = Path(run_root or tempfile.mkdtemp(prefix="opsd-e2e-"))
-    cuda = torch.cuda.is_available()
-    engines, rows = {}, []
+    run_root, cuda, engines, rows = Path(run_root or tempfile.mkdtemp(prefix="opsd-e2e-")), torch.cuda.is_available(), {}, []
     todo = [(n, o, None) for n, o in variants.items()]
     if bracket and len(todo) > 1: todo.append((f"{todo[0][0]} (again)", todo[0][1], todo[0][0]))
     for name, over, again_of in todo:
@@ -190,9 +186,8 @@ def e2e_bench(model_dir, # a checkpoint folder (default shape: `random_qwen3_che
                    steps=steps, warmup=warmup, cut=cut, **({"again_of": again_of} if again_of else {}))
         tr = None
         try:
-            cfg = OPSDConfig(**merge_config(E2E_COMMON, common, over, dict(
-                model=str(model_dir), seed=0, run_dir=str(run_root / slug), name=slug, rollout=rollout,
-                vllm=dict(memory=vllm_memory))))
+            cfg = OPSDConfig(**merge_config(E2E_COMMON, common, over, dict(model=str(model_dir), seed=0, name=slug,
+                run_dir=str(run_root / slug), rollout=rollout, vllm=dict(memory=vllm_memory))))
             key = engine_settings(cfg)
             for k, e in engines.items():             # HF engines of other settings (vLLM: refused above) set aside
                 if k != key: e.sleep()
